@@ -1,0 +1,63 @@
+"""Plain data passed between the engine and its users (CLI, server, tests)."""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+
+
+class FinishReason(str, enum.Enum):
+    STOP = "stop"  # EOS, an end-of-turn token, or a stop string
+    LENGTH = "length"  # max_tokens reached, or the lane could not grow (see truncated)
+    CANCELLED = "cancelled"
+
+
+@dataclass
+class SamplingParams:
+    """How to pick tokens. Defaults give greedy decoding of up to 256 tokens."""
+
+    max_tokens: int = 256
+    temperature: float = 0.0  # 0 means greedy
+    top_p: float = 1.0
+    top_k: int = 0  # 0 means off
+    min_p: float = 0.0
+    repetition_penalty: float = 1.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    seed: int | None = None
+    stop: list[str] = field(default_factory=list)  # stop strings, never emitted
+    stop_token_ids: list[int] = field(default_factory=list)  # in addition to the model's EOS
+    ignore_eos: bool = False
+    logprobs: int | None = None  # None: no logprobs; k >= 0: chosen token plus k top alternatives
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature <= 0.0
+
+
+@dataclass
+class TokenLogprob:
+    token_id: int
+    text: str
+    logprob: float
+    top: list[tuple[int, str, float]] = field(default_factory=list)
+
+
+@dataclass
+class StreamEvent:
+    """One step of one request's output.
+
+    `text` is the newly decodable text (never a broken UTF-8 sequence; stop
+    strings are held back until they can be ruled out). The last event of a
+    request has `finish_reason` set.
+    """
+
+    text: str
+    token_ids: list[int]
+    finish_reason: FinishReason | None = None
+    truncated: bool = False  # the lane could not grow: finish_reason is LENGTH
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    cached_tokens: int = 0  # prompt tokens reused from a cached conversation
+    logprobs: list[TokenLogprob] = field(default_factory=list)
+    stop_string: str | None = None  # the stop string that ended generation, if any

@@ -1,0 +1,56 @@
+"""What every architecture shares: its configuration and the attention hook.
+
+A model module never owns K/V. Each attention layer computes q, k, v (after
+RoPE and any q/k norm) and hands them to `AttentionContext.attend`, which
+writes k, v into the KV pool through the chunk tables and returns the
+attention output. That keeps the pool, the cell formats, streaming and the
+GPU kernels out of model code.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+import torch
+
+
+@dataclass
+class ModelConfig:
+    arch: str  # registry key: "llama", "qwen2", "qwen3"
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float = 1e-5
+    rope_theta: float = 10000.0
+    rope_scaling: dict[str, Any] | None = None  # HF-style dict, e.g. {"rope_type": "llama3", ...}
+    max_position_embeddings: int = 4096
+    tie_word_embeddings: bool = False
+    attention_bias: bool = False  # bias on q/k/v projections (qwen2)
+    qk_norm: bool = False  # per-head RMSNorm on q and k (qwen3)
+    bos_token_id: int | None = None
+    eos_token_ids: list[int] = field(default_factory=list)
+
+    @property
+    def attn_scale(self) -> float:
+        return self.head_dim ** -0.5
+
+
+class AttentionContext(Protocol):
+    """One forward step's view of the KV cache, built by the engine's runner.
+
+    The step's tokens are flattened to T rows (several sequences, each a run of
+    consecutive positions). `attend` stores k/v for those rows and returns, for
+    each row, causal attention over its sequence's cached cells plus the new
+    ones up to and including itself.
+    """
+
+    def attend(
+        self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
+    ) -> torch.Tensor:
+        """q: [T, Hq, D], k/v: [T, Hkv, D] -> [T, Hq, D]."""
+        ...
