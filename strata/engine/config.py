@@ -1,0 +1,67 @@
+"""Engine configuration and the command-line flags that fill it.
+
+The CLI's `generate`, `chat`, `serve` and `bench` all take the same engine
+flags; they are declared once here.
+"""
+
+from __future__ import annotations
+
+import argparse
+from dataclasses import dataclass, fields
+
+
+@dataclass
+class EngineConfig:
+    model: str | None = None  # .gguf file or Hugging Face folder; None = embedded default
+    device: str = "auto"  # auto | cpu | cuda | cuda:N
+    dtype: str = "auto"  # auto | float32 | bfloat16 | float16
+    parallel: int = 1  # lanes decoded together
+    max_context: int = 4096  # tokens one conversation may reach
+    kv_pool_tokens: int | None = None  # shared pool size in cells; None = lanes x max_context
+    kv_chunk: int = 4096  # cells per pool chunk
+    kv: str = "auto"  # cell format: auto (the compute dtype) | fp32 | fp16 | bf16 | int8 | q4_0 | k8v4
+    kv_resident: int | None = None  # cells per layer kept on the device when streaming
+    prefill_chunk: int = 512  # prompt tokens read per engine step and lane
+    max_queued: int = 64  # requests waiting for a lane before QueueFull
+    conversation_cache_mib: int = 0  # host RAM for parked conversations; 0 = off
+    conversation_cache_slots: int = 8
+    session_dir: str | None = None  # where session files may live; None = session files off
+    threads: int | None = None  # CPU threads for torch; None = torch's default
+    seed: int = 0  # base seed for sampling without a per-request seed
+
+
+def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
+    """Declare every engine flag on `parser` (defaults come from EngineConfig)."""
+    d = EngineConfig()
+    g = parser.add_argument_group("engine")
+    g.add_argument("--model", "-m", default=d.model,
+                   help="a .gguf file or a Hugging Face model folder (default: embedded SmolLM2-135M-Instruct)")
+    g.add_argument("--device", default=d.device, help="auto | cpu | cuda | cuda:N (default: auto)")
+    g.add_argument("--dtype", default=d.dtype, choices=["auto", "float32", "bfloat16", "float16"],
+                   help="compute dtype (default: auto = bfloat16)")
+    g.add_argument("--parallel", "-np", type=int, default=d.parallel, help="lanes decoded together")
+    g.add_argument("--max-context", "-c", type=int, default=d.max_context,
+                   help="tokens one conversation may reach")
+    g.add_argument("--kv-pool-tokens", type=int, default=d.kv_pool_tokens,
+                   help="cells in one KV pool shared by all lanes (default: lanes x max-context)")
+    g.add_argument("--kv-chunk", type=int, default=d.kv_chunk, help="cells per pool chunk")
+    g.add_argument("--kv", default=d.kv, help="KV cell format: auto | fp32 | fp16 | bf16 | int8 | q4_0 | k8v4")
+    g.add_argument("--kv-resident", type=int, default=d.kv_resident,
+                   help="stream K/V: keep this many cells per layer on the device, the rest in host RAM")
+    g.add_argument("--prefill-chunk", type=int, default=d.prefill_chunk,
+                   help="prompt tokens read per step and lane")
+    g.add_argument("--max-queued", type=int, default=d.max_queued,
+                   help="requests that may wait for a lane")
+    g.add_argument("--conversation-cache-mib", type=int, default=d.conversation_cache_mib,
+                   help="host RAM (MiB) for parked conversations; 0 = off")
+    g.add_argument("--conversation-cache-slots", type=int, default=d.conversation_cache_slots,
+                   help="most parked conversations")
+    g.add_argument("--session-dir", default=d.session_dir, help="folder for session files")
+    g.add_argument("--threads", "-t", type=int, default=d.threads, help="CPU threads for torch")
+    g.add_argument("--seed", type=int, default=d.seed, help="base seed for sampling")
+
+
+def config_from_args(args: argparse.Namespace) -> EngineConfig:
+    """The EngineConfig named by parsed flags (flags not declared keep their defaults)."""
+    values = {f.name: getattr(args, f.name) for f in fields(EngineConfig) if hasattr(args, f.name)}
+    return EngineConfig(**values)
