@@ -1,0 +1,136 @@
+"""Reference attention through the chunk tables (plain torch; the oracle for kernels).
+
+One engine step reads a set of sequences, each a run of new tokens at
+positions [start, start + n) of a session. `TableAttention` writes their K/V
+into the pool and computes causal grouped-query attention over each
+sequence's cells [0, start + n), gathered through its chunk table.
+
+Exactness by construction: keys are processed in blocks of `BLOCK` absolute
+positions. Per block the probabilities are summed by the same bf16 matmul
+that weights V (a column of ones rides along), and blocks are combined by a
+sequential prefix sum that is read at the query's own block. Blocks past a
+query contribute exact zeros it never reads, so a query's result does not
+depend on which other sequences, queries or padding were computed beside it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from strata.kv.pool import KvPool
+
+BLOCK = 128
+
+
+@dataclass(frozen=True)
+class SeqSpec:
+    session: int
+    start: int  # position of the first new token
+    n: int  # new tokens
+
+    @property
+    def end(self) -> int:
+        return self.start + self.n
+
+
+@dataclass
+class _Group:
+    """Sequences computed together, padded to the same query and key lengths."""
+
+    rows: torch.Tensor  # [S, nmax] indices into the step's flattened tokens (padding -> 0)
+    valid: torch.Tensor  # [S, nmax] bool: a real query row
+    qpos: torch.Tensor  # [S, nmax] positions (padding -> 0)
+    key_cells: torch.Tensor  # [S * Lp] cells to gather (past the end -> trash)
+    lp: int  # padded key length, a multiple of BLOCK
+    out_rows: torch.Tensor  # [R] flattened token indices of valid rows
+    out_sel: torch.Tensor  # [R] indices into the group's S * nmax rows
+
+
+class TableAttention:
+    """The AttentionContext of one engine step over the shared pool."""
+
+    def __init__(
+        self, pool: KvPool, seqs: list[SeqSpec], num_heads: int, scale: float, dtype: torch.dtype
+    ) -> None:
+        self.pool = pool
+        self.fmt = pool.fmt
+        self.scale = scale
+        self.dtype = dtype
+        self.num_heads = num_heads
+        dev = pool.device
+        write = [pool.cells_of_range(s.session, s.start, s.end) for s in seqs]
+        self.write_cells = torch.cat(write).to(dev) if write else torch.empty(0, dtype=torch.int64)
+        offsets, t = [], 0
+        for s in seqs:
+            offsets.append(t)
+            t += s.n
+        decode = [i for i, s in enumerate(seqs) if s.n == 1]
+        prefill = [i for i, s in enumerate(seqs) if s.n > 1]
+        self.groups = [
+            self._group(pool, [seqs[i] for i in idx], [offsets[i] for i in idx], dev)
+            for idx in (decode, prefill)
+            if idx
+        ]
+
+    @staticmethod
+    def _group(pool: KvPool, seqs: list[SeqSpec], offsets: list[int], dev: torch.device) -> _Group:
+        nmax = max(s.n for s in seqs)
+        lp = -(-max(s.end for s in seqs) // BLOCK) * BLOCK
+        ar_q = torch.arange(nmax)
+        starts = torch.tensor([s.start for s in seqs])
+        ns = torch.tensor([s.n for s in seqs])
+        offs = torch.tensor(offsets)
+        valid = ar_q[None, :] < ns[:, None]
+        rows = torch.where(valid, offs[:, None] + ar_q[None, :], 0)
+        qpos = torch.where(valid, starts[:, None] + ar_q[None, :], 0)
+        trash_cell = pool.trash * pool.chunk_size
+        keys = []
+        ar_k = torch.arange(lp)
+        for s in seqs:
+            c = pool.cells(s.session, ar_k)
+            keys.append(torch.where(ar_k < s.end, c, trash_cell))
+        flat_valid = valid.reshape(-1)
+        return _Group(
+            rows=rows.to(dev),
+            valid=valid.to(dev),
+            qpos=qpos.to(dev),
+            key_cells=torch.cat(keys).to(dev),
+            lp=lp,
+            out_rows=rows.reshape(-1)[flat_valid].to(dev),
+            out_sel=torch.nonzero(flat_valid).reshape(-1).to(dev),
+        )
+
+    def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        storage = self.pool.layers[layer]
+        self.fmt.write(storage, self.write_cells, k, v)
+        out = torch.empty_like(q)
+        for g in self.groups:
+            o = self._attend_group(storage, g, q)
+            out[g.out_rows] = o.reshape(-1, *o.shape[2:])[g.out_sel]
+        return self.fmt.finish_output(out)
+
+    def _attend_group(self, storage: dict, g: _Group, q: torch.Tensor) -> torch.Tensor:
+        S, nmax = g.rows.shape
+        hq, d = q.shape[1], q.shape[2]
+        kc, vc = self.fmt.read(storage, g.key_cells, q.dtype)  # [S*Lp, Hkv, D]
+        hkv = kc.shape[1]
+        grp = hq // hkv
+        lp, nb = g.lp, g.lp // BLOCK
+        qg = q[g.rows.reshape(-1)].view(S, nmax, hkv, grp, d)
+        qh = qg.permute(0, 2, 1, 3, 4).reshape(S * hkv, nmax * grp, d)
+        kh = kc.view(S, lp, hkv, d).permute(0, 2, 3, 1).reshape(S * hkv, d, lp)
+        scores = torch.bmm(qh, kh).float().mul_(self.scale)  # [S*Hkv, nmax*G, Lp]
+        allowed = torch.arange(lp, device=q.device)[None, None, :] <= g.qpos[:, :, None]  # [S,nmax,Lp]
+        allowed = allowed[:, None, :, None, :].expand(S, hkv, nmax, grp, lp).reshape(S * hkv, nmax * grp, lp)
+        scores.masked_fill_(~allowed, float("-inf"))
+        probs = torch.exp(scores - scores.amax(dim=-1, keepdim=True)).to(q.dtype)
+        pb = probs.view(S * hkv, nmax * grp, nb, BLOCK).transpose(1, 2)  # [S*Hkv, nb, nmax*G, BLOCK]
+        vh = vc.view(S, nb, BLOCK, hkv, d).permute(0, 3, 1, 2, 4).reshape(S * hkv, nb, BLOCK, d)
+        ones = torch.ones(S * hkv, nb, BLOCK, 1, dtype=vh.dtype, device=vh.device)
+        ob = torch.matmul(pb, torch.cat([vh, ones], dim=-1)).float().cumsum(dim=1)  # [S*Hkv, nb, nmax*G, D+1]
+        qb = (g.qpos // BLOCK)[:, None, :, None].expand(S, hkv, nmax, grp).reshape(S * hkv, 1, nmax * grp, 1)
+        sel = ob.gather(1, qb.expand(-1, -1, -1, d + 1)).squeeze(1)  # [S*Hkv, nmax*G, D+1]
+        o = (sel[..., :d] / sel[..., d:]).to(q.dtype)
+        return o.view(S, hkv, nmax, grp, d).permute(0, 2, 1, 3, 4).reshape(S, nmax, hq, d)
