@@ -1,0 +1,162 @@
+"""The `strata` command: generate, chat, serve, bench. A thin user of the engine."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from typing import Sequence
+
+from strata.engine.config import add_engine_arguments, config_from_args
+from strata.engine.types import SamplingParams
+from strata.errors import StrataError
+
+
+def add_sampling_arguments(parser: argparse.ArgumentParser) -> None:
+    d = SamplingParams()
+    g = parser.add_argument_group("sampling")
+    g.add_argument("--max-tokens", "-n", type=int, default=d.max_tokens)
+    g.add_argument("--temperature", "--temp", type=float, default=d.temperature, help="0 = greedy")
+    g.add_argument("--top-p", type=float, default=d.top_p)
+    g.add_argument("--top-k", type=int, default=d.top_k)
+    g.add_argument("--min-p", type=float, default=d.min_p)
+    g.add_argument("--repeat-penalty", type=float, default=d.repetition_penalty)
+    g.add_argument("--presence-penalty", type=float, default=d.presence_penalty)
+    g.add_argument("--frequency-penalty", type=float, default=d.frequency_penalty)
+    g.add_argument("--sample-seed", type=int, default=None, help="seed of this request's sampling")
+    g.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
+
+
+def sampling_from_args(args: argparse.Namespace) -> SamplingParams:
+    return SamplingParams(
+        max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
+        top_k=args.top_k, min_p=args.min_p, repetition_penalty=args.repeat_penalty,
+        presence_penalty=args.presence_penalty, frequency_penalty=args.frequency_penalty,
+        seed=args.sample_seed, stop=list(args.stop),
+    )
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="strata", description="Strata: a memory-frugal LLM engine")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    gen = sub.add_parser("generate", help="complete a prompt, streaming the text")
+    gen.add_argument("prompt", help="the prompt text")
+    gen.add_argument("--chat", action="store_true", help="apply the model's chat template")
+    gen.add_argument("--system", default=None, help="system message (with --chat)")
+    add_engine_arguments(gen)
+    add_sampling_arguments(gen)
+
+    chat = sub.add_parser("chat", help="interactive multi-turn chat")
+    chat.add_argument("--system", default=None, help="system message")
+    add_engine_arguments(chat)
+    add_sampling_arguments(chat)
+
+    serve = sub.add_parser("serve", help="OpenAI- and Anthropic-compatible HTTP server")
+    add_engine_arguments(serve)
+    try:
+        from strata.serve.main import add_serve_arguments
+    except ImportError:  # the server's modules are optional at import time
+        add_serve_arguments = None
+    if add_serve_arguments is not None:
+        add_serve_arguments(serve)
+
+    bench = sub.add_parser("bench", help="benchmarks, printed as JSON")
+    add_engine_arguments(bench)
+    from strata.bench.main import add_bench_arguments
+
+    add_bench_arguments(bench)
+    return parser
+
+
+def _engine(args: argparse.Namespace):
+    from strata.engine.engine import Engine
+
+    return Engine(config_from_args(args))
+
+
+def cmd_generate(args: argparse.Namespace) -> int:
+    engine = _engine(args)
+    try:
+        tok = engine.tokenizer
+        if args.chat:
+            messages = ([{"role": "system", "content": args.system}] if args.system else [])
+            messages.append({"role": "user", "content": args.prompt})
+            ids = tok.encode(tok.apply_chat_template(messages, add_generation_prompt=True))
+        else:
+            ids = tok.encode(args.prompt, add_special_tokens=True)
+        last = None
+        for ev in engine.generate(ids, sampling_from_args(args)):
+            sys.stdout.write(ev.text)
+            sys.stdout.flush()
+            last = ev
+        sys.stdout.write("\n")
+        if last is not None:
+            print(f"[{last.finish_reason.value if last.finish_reason else '?'}: "
+                  f"{last.prompt_tokens} prompt, {last.completion_tokens} generated tokens]",
+                  file=sys.stderr)
+    finally:
+        engine.close()
+    return 0
+
+
+def cmd_chat(args: argparse.Namespace) -> int:
+    engine = _engine(args)
+    tok = engine.tokenizer
+    messages: list[dict] = [{"role": "system", "content": args.system}] if args.system else []
+    print(f"strata chat on {engine.model_name}; an empty line or Ctrl-D ends.", file=sys.stderr)
+    try:
+        while True:
+            try:
+                line = input("> ")
+            except EOFError:
+                break
+            if not line.strip():
+                break
+            messages.append({"role": "user", "content": line})
+            ids = tok.encode(tok.apply_chat_template(messages, add_generation_prompt=True))
+            reply = []
+            try:
+                for ev in engine.generate(ids, sampling_from_args(args)):
+                    sys.stdout.write(ev.text)
+                    sys.stdout.flush()
+                    reply.append(ev.text)
+            except StrataError as e:
+                print(f"\nstrata: error: {e}", file=sys.stderr)
+                messages.pop()
+                continue
+            sys.stdout.write("\n")
+            messages.append({"role": "assistant", "content": "".join(reply)})
+    except KeyboardInterrupt:
+        pass
+    finally:
+        engine.close()
+    return 0
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        if args.command == "generate":
+            return cmd_generate(args)
+        if args.command == "chat":
+            return cmd_chat(args)
+        if args.command == "serve":
+            from strata.serve.main import run_server
+
+            return run_server(args) or 0
+        if args.command == "bench":
+            from strata.bench.main import run_bench
+
+            return run_bench(args)
+    except StrataError as e:
+        print(f"strata: error: {e}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        return 130
+    parser.error(f"unknown command {args.command}")
+    return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

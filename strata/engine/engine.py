@@ -1,0 +1,301 @@
+"""The engine: a library API over one loop of schedule, run, post-process.
+
+`Engine.generate` queues a request and returns a handle at once; the loop
+thread admits requests to lanes, runs one batched forward per step for all
+busy lanes, samples, detokenizes and publishes events to the handles.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections import deque
+from typing import Any
+
+import torch
+
+from strata.engine.config import EngineConfig
+from strata.engine.request import Request, RequestHandle
+from strata.engine.runner import Runner
+from strata.engine.sampling import make_generator, sample
+from strata.engine.scheduler import Lane, Scheduler
+from strata.engine.stop import StopMatcher
+from strata.engine.types import FinishReason, SamplingParams, StreamEvent
+from strata.errors import BadRequest, ContextTooLong, QueueFull, StrataError
+from strata.kv.formats import make_format
+from strata.kv.pool import KvPool
+from strata.models import load_model
+from strata.tokenizer import IncrementalDetokenizer
+
+_KV_AUTO = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}
+
+
+class Engine:
+    def __init__(self, config: EngineConfig, loaded: Any = None) -> None:
+        """Load the model (or take an already loaded one) and start the loop thread."""
+        self.config = config
+        if config.threads:
+            torch.set_num_threads(config.threads)
+        if config.parallel < 1:
+            raise BadRequest(f"--parallel must be at least 1, got {config.parallel}", "parallel")
+        self.loaded = loaded or load_model(config.model, config.device, config.dtype)
+        self.model_config = self.loaded.config
+        self.tokenizer = self.loaded.tokenizer
+        self.model_name = self.loaded.name
+        mc = self.model_config
+        self.device = next(self.loaded.model.parameters()).device
+        self.dtype = next(self.loaded.model.parameters()).dtype
+        kv_name = _KV_AUTO[self.dtype] if config.kv == "auto" else config.kv
+        fmt = make_format(kv_name, mc.num_kv_heads, mc.head_dim)
+        self.pool = KvPool(fmt, mc.num_layers, config.parallel, config.max_context,
+                           min(config.kv_chunk, config.max_context), config.kv_pool_tokens,
+                           self.device, pin=False)
+        self.scheduler = Scheduler(self.pool, config.parallel, config.prefill_chunk)
+        self.runner = Runner(self.loaded.model, self.pool, mc.num_heads, mc.attn_scale,
+                             self.dtype, self.device)
+        self.stop_ids = set(self.tokenizer.stop_token_ids) if self.tokenizer else set(mc.eos_token_ids)
+        self._inbox: deque[Request] = deque()
+        self._lock = threading.Lock()
+        self._wake = threading.Event()
+        self._closed = False
+        self._requests = 0
+        self.steps = 0
+        self._thread = threading.Thread(target=self._loop, name="strata-engine", daemon=True)
+        self._thread.start()
+
+    # ---- public API ---------------------------------------------------------
+    def generate(self, prompt_ids: list[int], params: SamplingParams | None = None) -> RequestHandle:
+        """Queue a request; its events (or its refusal) come from the returned handle."""
+        params = params or SamplingParams()
+        with self._lock:
+            self._requests += 1
+            n = self._requests
+        handle = RequestHandle(f"req-{n}")
+        handle._wake = self._wake.set
+        error = self._validate(prompt_ids, params)
+        if error is not None:
+            handle.fail(error)
+            return handle
+        gen = None if params.greedy else make_generator(params.seed, self.config.seed * 1_000_003 + n, self.device)
+        req = Request(list(prompt_ids), params, handle, gen)
+        with self._lock:
+            if self._closed:
+                handle.fail(StrataError("the engine is shut down"))
+                return handle
+            self._inbox.append(req)
+        self._wake.set()
+        return handle
+
+    def complete(self, prompt_ids: list[int], params: SamplingParams | None = None) -> StreamEvent:
+        """Blocking convenience: the whole result as one event."""
+        return self.generate(prompt_ids, params).result()
+
+    def stats(self) -> dict[str, Any]:
+        sched, pool = self.scheduler, self.pool
+        busy = sum(1 for lane in sched.lanes if lane.request is not None)
+        c = sched.counters
+        return {
+            "pool_cells_total": pool.total_cells,
+            "pool_cells_used": pool.used_cells,
+            "pool_cells_free": pool.free_cells,
+            "pool_bytes": pool.total_bytes(),
+            "pool_shared": pool.shared,
+            "kv_format": pool.fmt.name,
+            "kv_chunk": pool.chunk_size,
+            "chunks_per_session": {lane.index: pool.reserved[lane.index] for lane in sched.lanes},
+            "tokens_per_session": {lane.index: len(lane.tokens) for lane in sched.lanes},
+            "lanes_total": len(sched.lanes),
+            "lanes_busy": busy,
+            "lanes_idle": sum(1 for lane in sched.lanes if lane.request is None and lane.tokens),
+            "queue_length": len(sched.waiting) + len(self._inbox),
+            "prefix_reuse_hits": c.prefix_reuse_hits,
+            "prefix_tokens_reused": c.prefix_tokens_reused,
+            "refusals": c.refusals,
+            "truncations": c.truncations,
+            "evictions": c.evictions,
+            "moves": c.moves,
+            "steps": self.steps,
+        }
+
+    def close(self) -> None:
+        with self._lock:
+            self._closed = True
+        self._wake.set()
+        self._thread.join(timeout=30)
+
+    def __enter__(self) -> "Engine":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # ---- validation -----------------------------------------------------------
+    def _validate(self, prompt: list[int], params: SamplingParams) -> Exception | None:
+        if not prompt:
+            return BadRequest("the prompt is empty", "prompt")
+        vocab = self.model_config.vocab_size
+        if any(t < 0 or t >= vocab for t in prompt):
+            return BadRequest(f"prompt token ids must be in [0, {vocab})", "prompt")
+        if len(prompt) >= self.config.max_context:
+            return ContextTooLong(len(prompt), self.config.max_context)
+        if params.max_tokens < 1:
+            return BadRequest("max_tokens must be at least 1", "max_tokens")
+        return None
+
+    # ---- the loop ---------------------------------------------------------------
+    def _loop(self) -> None:
+        while True:
+            with self._lock:
+                closed = self._closed
+                incoming = list(self._inbox)
+                self._inbox.clear()
+            if closed:
+                self._shutdown()
+                return
+            self._enqueue(incoming)
+            self._cancel_requested()
+            self._admit()
+            step, stuck = self.scheduler.plan()
+            for lane in stuck:
+                self._truncate(lane)
+            if not step.seqs:
+                self._wake.wait(timeout=0.5)
+                self._wake.clear()
+                continue
+            try:
+                logits = self.runner.forward(step.seqs, step.tokens, step.sample)
+                self._postprocess(step, logits)
+            except Exception as e:  # a bug must not leave callers waiting forever
+                for lane in step.lanes:
+                    if lane.request is not None:
+                        lane.request.handle.fail(e)
+                        self.scheduler.release_lane(lane, keep_cache=False)
+                raise
+            self.steps += 1
+
+    def _enqueue(self, incoming: list[Request]) -> None:
+        waiting = self.scheduler.waiting
+        for req in incoming:
+            if len(waiting) >= self.config.max_queued:
+                self.scheduler.counters.refusals += 1
+                req.handle.fail(QueueFull(f"{len(waiting)} requests are already waiting "
+                                          f"(--max-queued {self.config.max_queued})"))
+            else:
+                waiting.append(req)
+
+    def _cancel_requested(self) -> None:
+        waiting = self.scheduler.waiting
+        for req in [r for r in waiting if r.handle.cancelled]:
+            waiting.remove(req)
+            req.handle.publish(self._event(req, "", [], FinishReason.CANCELLED))
+        for lane in self.scheduler.lanes:
+            if lane.request is not None and lane.request.handle.cancelled:
+                self._finish(lane, FinishReason.CANCELLED)
+
+    def _admit(self) -> None:
+        sched = self.scheduler
+        while sched.waiting and sched.free_lanes():
+            req = sched.waiting.popleft()
+            try:
+                sched.admit(req)
+            except StrataError as e:
+                req.handle.fail(e)
+                continue
+            req.detok = IncrementalDetokenizer(self.tokenizer)
+            req.stopper = StopMatcher(req.params.stop)
+
+    def _postprocess(self, step: Any, logits: torch.Tensor) -> None:
+        lanes_sampled: list[Lane] = []
+        for seq, lane, wanted in zip(step.seqs, step.lanes, step.sample):
+            req = lane.request
+            assert req is not None
+            if req.prefilling:
+                lane.tokens.extend(req.prompt[req.cursor : req.cursor + seq.n])
+                req.cursor += seq.n
+            else:
+                assert lane.pending is not None
+                lane.tokens.append(lane.pending)
+                lane.pending = None
+            if wanted:
+                lanes_sampled.append(lane)
+        if not lanes_sampled:
+            return
+        reqs = [lane.request for lane in lanes_sampled]
+        result = sample(
+            logits,
+            [r.params for r in reqs],  # type: ignore[union-attr]
+            [r.prompt + r.output for r in reqs] if any(_penalised(r) for r in reqs) else [[]] * len(reqs),  # type: ignore[union-attr]
+            [r.generator for r in reqs],  # type: ignore[union-attr]
+            [len(r.prompt) for r in reqs],  # type: ignore[union-attr]
+        )
+        tokens = result.tokens.tolist()
+        for lane, tok, lp in zip(lanes_sampled, tokens, result.logprobs):
+            self._accept(lane, tok, lp)
+
+    def _accept(self, lane: Lane, tok: int, lp: Any) -> None:
+        req = lane.request
+        assert req is not None
+        p = req.params
+        logprobs = [lp.with_text(self.tokenizer.token_text)] if lp is not None else []
+        if tok in self.stop_ids and not p.ignore_eos or tok in p.stop_token_ids:
+            req.output.append(tok)
+            tail, _ = req.stopper.push(req.detok.flush())  # type: ignore[union-attr]
+            tail += req.stopper.flush()  # type: ignore[union-attr]
+            self._publish_and_finish(lane, tail, [tok], FinishReason.STOP, logprobs)
+            return
+        req.output.append(tok)
+        text, stopped = req.stopper.push(req.detok.push(tok))  # type: ignore[union-attr]
+        if stopped is not None:
+            self._publish_and_finish(lane, text, [tok], FinishReason.STOP, logprobs, stop=stopped)
+            return
+        at_limit = len(req.output) >= p.max_tokens
+        at_context = len(lane.tokens) + 1 >= self.config.max_context
+        if at_limit or at_context:
+            text += req.stopper.push(req.detok.flush())[0]  # type: ignore[union-attr]
+            text += req.stopper.flush()  # type: ignore[union-attr]
+            self._publish_and_finish(lane, text, [tok], FinishReason.LENGTH, logprobs)
+            return
+        lane.pending = tok
+        req.handle.publish(self._event(req, text, [tok], None, logprobs=logprobs))
+
+    def _publish_and_finish(self, lane: Lane, text: str, toks: list[int], reason: FinishReason,
+                            logprobs: list, stop: str | None = None, truncated: bool = False) -> None:
+        req = lane.request
+        assert req is not None
+        ev = self._event(req, text, toks, reason, logprobs=logprobs, stop=stop, truncated=truncated)
+        self.scheduler.release_lane(lane, keep_cache=not truncated)
+        req.finish = reason
+        req.handle.publish(ev)
+
+    def _finish(self, lane: Lane, reason: FinishReason) -> None:
+        req = lane.request
+        assert req is not None
+        # a half-read prompt's K/V is still a valid prefix: the lane keeps it
+        self._publish_and_finish(lane, "", [], reason, [])
+
+    def _truncate(self, lane: Lane) -> None:
+        """A decoding lane that cannot grow ends `length` with `truncated`; its chunks go back."""
+        self.scheduler.counters.truncations += 1
+        self._publish_and_finish(lane, "", [], FinishReason.LENGTH, [], truncated=True)
+
+    def _event(self, req: Request, text: str, toks: list[int], reason: FinishReason | None,
+               logprobs: list | None = None, stop: str | None = None, truncated: bool = False) -> StreamEvent:
+        return StreamEvent(
+            text=text, token_ids=toks, finish_reason=reason, truncated=truncated,
+            prompt_tokens=len(req.prompt), completion_tokens=len(req.output),
+            cached_tokens=req.cached, logprobs=logprobs or [], stop_string=stop,
+        )
+
+    def _shutdown(self) -> None:
+        for req in list(self.scheduler.waiting):
+            req.handle.fail(StrataError("the engine is shutting down"))
+        self.scheduler.waiting.clear()
+        for lane in self.scheduler.lanes:
+            if lane.request is not None:
+                self._finish(lane, FinishReason.CANCELLED)
+
+
+def _penalised(req: Request | None) -> bool:
+    assert req is not None
+    p = req.params
+    return p.repetition_penalty != 1.0 or p.presence_penalty != 0.0 or p.frequency_penalty != 0.0

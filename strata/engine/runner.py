@@ -1,0 +1,35 @@
+"""One batched forward of the model over a planned step."""
+
+from __future__ import annotations
+
+import torch
+
+from strata.kv.attention import SeqSpec, TableAttention
+from strata.kv.pool import KvPool
+
+
+class Runner:
+    def __init__(self, model: torch.nn.Module, pool: KvPool, num_heads: int, scale: float,
+                 dtype: torch.dtype, device: torch.device) -> None:
+        self.model = model
+        self.pool = pool
+        self.num_heads = num_heads
+        self.scale = scale
+        self.dtype = dtype
+        self.device = device
+
+    @torch.inference_mode()
+    def forward(self, seqs: list[SeqSpec], tokens: list[int], sample: list[bool]) -> torch.Tensor:
+        """Logits (float32) of the last row of every sequence with `sample` set, in order."""
+        input_ids = torch.tensor(tokens, dtype=torch.int64, device=self.device)
+        positions = torch.cat([torch.arange(s.start, s.end, dtype=torch.int64) for s in seqs])
+        ctx = TableAttention(self.pool, seqs, self.num_heads, self.scale, self.dtype)
+        hidden = self.model(input_ids, positions.to(self.device), ctx)
+        rows, end = [], 0
+        for s, wanted in zip(seqs, sample):
+            end += s.n
+            if wanted:
+                rows.append(end - 1)
+        if not rows:
+            return torch.empty(0, device=self.device)
+        return self.model.compute_logits(hidden[torch.tensor(rows, device=self.device)])

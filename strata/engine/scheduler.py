@@ -1,0 +1,190 @@
+"""Lanes, admission and step planning over the shared KV pool.
+
+A lane is a session of the pool. It is busy (a request is reading its prompt
+or decoding), idle (it keeps the conversation it last served, for prefix
+reuse) or empty. The scheduler admits waiting requests in arrival order to
+free lanes, reserves pool chunks, evicts idle lanes' conversations when the
+pool is full (order from `kv.policy`), and plans each step: a chunk of
+prompt for reading lanes and one token for every decoding lane.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from dataclasses import dataclass, field
+
+from strata.engine.request import Request
+from strata.errors import KvPoolFull
+from strata.kv.attention import SeqSpec
+from strata.kv.policy import IdleSession, choose_evictions
+from strata.kv.pool import KvPool
+
+
+@dataclass
+class Lane:
+    index: int
+    tokens: list[int] = field(default_factory=list)  # tokens whose K/V the lane holds, in order
+    request: Request | None = None
+    pending: int | None = None  # sampled token still to be fed to the model
+    last_used: float = 0.0
+
+
+@dataclass
+class Counters:
+    prefix_reuse_hits: int = 0
+    prefix_tokens_reused: int = 0
+    refusals: int = 0
+    truncations: int = 0
+    evictions: int = 0
+    moves: int = 0
+
+
+@dataclass
+class Step:
+    seqs: list[SeqSpec]
+    lanes: list[Lane]
+    tokens: list[int]  # flattened input ids
+    sample: list[bool]  # per seq: its last row is sampled
+
+
+def common_prefix(a: list[int], b: list[int]) -> int:
+    n = min(len(a), len(b))
+    i = 0
+    while i < n and a[i] == b[i]:
+        i += 1
+    return i
+
+
+class Scheduler:
+    def __init__(self, pool: KvPool, lanes: int, prefill_chunk: int, retry_after: float = 1.0) -> None:
+        self.pool = pool
+        self.lanes = [Lane(i) for i in range(lanes)]
+        self.prefill_chunk = prefill_chunk
+        self.retry_after = retry_after
+        self.waiting: deque[Request] = deque()
+        self.counters = Counters()
+
+    # ---- admission ----------------------------------------------------------
+    def free_lanes(self) -> list[Lane]:
+        return [lane for lane in self.lanes if lane.request is None]
+
+    def pick_lane(self, prompt: list[int]) -> tuple[Lane, int]:
+        """The free lane to serve `prompt` and how many of its tokens it already holds.
+
+        The lane sharing the longest prefix wins; else an empty lane; else the
+        least recently used idle one. At least the last prompt token is read
+        again, since its logits are needed.
+        """
+        free = self.free_lanes()
+        best, best_m = None, 0
+        for lane in free:
+            m = min(common_prefix(lane.tokens, prompt), len(prompt) - 1)
+            if m > best_m:
+                best, best_m = lane, m
+        if best is not None:
+            return best, best_m
+        empty = [lane for lane in free if not lane.tokens]
+        if empty:
+            return empty[0], 0
+        return min(free, key=lambda lane: lane.last_used), 0
+
+    def make_room(self, lane: Lane, n_tokens: int) -> bool:
+        """Reserve chunks for `lane` to hold `n_tokens`, evicting idle lanes' caches if needed."""
+        if self.pool.reserve(lane.index, n_tokens):
+            return True
+        need = self.pool.chunks_for(n_tokens) - self.pool.reserved[lane.index]
+        idle = [
+            IdleSession(other.index, self.pool.reserved[other.index], other.last_used)
+            for other in self.lanes
+            if other.request is None and other is not lane and other.tokens
+        ]
+        chosen = choose_evictions(need, self.pool.free_chunks, idle)
+        if chosen is None:
+            return False
+        for index in chosen:
+            self.drop_cache(self.lanes[index])
+        return self.pool.reserve(lane.index, n_tokens)
+
+    def drop_cache(self, lane: Lane) -> None:
+        """An idle lane gives its cached conversation's chunks back."""
+        lane.tokens = []
+        self.pool.release(lane.index)
+        self.counters.evictions += 1
+
+    def admit(self, req: Request) -> Lane:
+        """Put `req` in a lane, reusing a cached prefix; raise KvPoolFull if no room."""
+        lane, m = self.pick_lane(req.prompt)
+        if lane.tokens[m:]:
+            # the lane's conversation diverges at m: keep only the shared prefix
+            lane.tokens = lane.tokens[:m]
+            self.pool.release(lane.index, keep_tokens=m)
+        if not self.make_room(lane, len(req.prompt)):
+            self.counters.refusals += 1
+            raise KvPoolFull(
+                f"KV pool full: {len(req.prompt)} prompt tokens need "
+                f"{self.pool.chunks_for(len(req.prompt))} chunks of {self.pool.chunk_size} cells, "
+                f"{self.pool.free_chunks} free and no idle conversation left to evict",
+                retry_after=self.retry_after,
+            )
+        if m:
+            self.counters.prefix_reuse_hits += 1
+            self.counters.prefix_tokens_reused += m
+        req.cursor = m
+        req.cached = m
+        lane.request = req
+        lane.pending = None
+        return lane
+
+    def move(self, src: Lane, dst: Lane) -> None:
+        """Move src's conversation into dst by swapping chunk tables (no K/V copy)."""
+        assert src.request is None and dst.request is None
+        self.pool.swap(src.index, dst.index)
+        src.tokens, dst.tokens = dst.tokens, src.tokens
+        src.last_used, dst.last_used = dst.last_used, src.last_used
+        self.counters.moves += 1
+
+    # ---- planning --------------------------------------------------------------
+    def plan(self) -> tuple[Step, list[Lane]]:
+        """The next step, and the decoding lanes that could not grow (to be truncated)."""
+        seqs: list[SeqSpec] = []
+        lanes: list[Lane] = []
+        tokens: list[int] = []
+        sample: list[bool] = []
+        stuck: list[Lane] = []
+        for lane in self.lanes:
+            req = lane.request
+            if req is None or req.prefilling or lane.pending is None:
+                continue
+            pos = len(lane.tokens)
+            if self.pool.capacity(lane.index) <= pos and not self.make_room(lane, pos + 1):
+                stuck.append(lane)
+                continue
+            seqs.append(SeqSpec(lane.index, pos, 1))
+            lanes.append(lane)
+            tokens.append(lane.pending)
+            sample.append(True)
+        budget = self.prefill_chunk
+        reading = [lane for lane in self.lanes if lane.request is not None and lane.request.prefilling]
+        reading.sort(key=lambda lane: lane.request.id)  # type: ignore[union-attr]
+        for lane in reading:
+            if budget <= 0:
+                break
+            req = lane.request
+            assert req is not None
+            n = min(budget, len(req.prompt) - req.cursor)
+            seqs.append(SeqSpec(lane.index, req.cursor, n))
+            lanes.append(lane)
+            tokens.extend(req.prompt[req.cursor : req.cursor + n])
+            sample.append(req.cursor + n == len(req.prompt))
+            budget -= n
+        return Step(seqs, lanes, tokens, sample), stuck
+
+    def release_lane(self, lane: Lane, keep_cache: bool) -> None:
+        """The lane's request is over: keep its conversation for reuse, or give it all back."""
+        lane.request = None
+        lane.pending = None
+        lane.last_used = time.monotonic()
+        if not keep_cache:
+            lane.tokens = []
+            self.pool.release(lane.index)
