@@ -28,6 +28,9 @@ class ModelConfig:
     rms_norm_eps: float = 1e-5
     rope_theta: float = 10000.0
     rope_scaling: dict[str, Any] | None = None  # HF-style dict, e.g. {"rope_type": "llama3", ...}
+    # Per-frequency divisors of the rotary inverse frequencies, as a GGUF's
+    # `rope_freqs.weight` carries Llama 3 scaling (llama.cpp's convention).
+    rope_freq_factors: list[float] | None = None
     max_position_embeddings: int = 4096
     tie_word_embeddings: bool = False
     attention_bias: bool = False  # bias on q/k/v projections (qwen2)

@@ -1,0 +1,23 @@
+"""What an architecture module declares: how it differs from the shared decoder.
+
+Adding an architecture means one module that builds an `Architecture` and one
+line in `registry.py`. The switches here are all the loader and the decoder
+need; an architecture whose layers differ more can pass its own `model_class`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from strata.models.layers import DecoderModel
+
+
+@dataclass(frozen=True)
+class Architecture:
+    name: str  # registry key; also GGUF's general.architecture
+    hf_model_types: tuple[str, ...]  # config.json "model_type" values it serves
+    attention_bias: bool | None = None  # fixed bias on q/k/v; None: read config.json
+    qk_norm: bool = False  # per-head RMSNorm on q and k before RoPE
+    default_head_dim: int | None = None  # when config.json omits head_dim; None: hidden / heads
+    gguf_qk_permuted: bool = False  # llama.cpp's converter reorders Q/K rows for its RoPE
+    model_class: type[DecoderModel] = DecoderModel

@@ -1,0 +1,190 @@
+"""ModelConfig from a Hugging Face config.json or from GGUF metadata.
+
+Everything a loaded model cannot honour (an unknown architecture, a rope
+scaling kind, sliding windows, MLP biases) is refused here with a
+ModelLoadError, before any weight is read.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Collection
+from typing import Any
+
+from strata.errors import ModelLoadError
+from strata.models import registry
+from strata.models.architecture import Architecture
+from strata.models.base import ModelConfig
+from strata.models.rope import SUPPORTED_ROPE_TYPES, rope_type
+
+
+def _eos_list(value: Any) -> list[int]:
+    if value is None:
+        return []
+    if isinstance(value, (list, tuple)):
+        return [int(v) for v in value]
+    return [int(value)]
+
+
+def _check_rope(path: str, scaling: dict[str, Any] | None) -> dict[str, Any] | None:
+    kind = rope_type(scaling)
+    if kind not in SUPPORTED_ROPE_TYPES:
+        raise ModelLoadError(
+            path,
+            f"rope scaling {kind!r} is not supported (supported: {', '.join(SUPPORTED_ROPE_TYPES)})",
+        )
+    if kind == "default" or scaling is None:
+        return None
+    if kind in ("linear", "llama3") and "factor" not in scaling:
+        raise ModelLoadError(path, f"rope scaling {kind!r} lacks its factor")
+    return {"rope_type": kind, **{k: v for k, v in scaling.items() if k not in ("type", "rope_type", "rope_theta")}}
+
+
+def _hf_architecture(path: str, d: dict[str, Any]) -> Architecture:
+    model_type = str(d.get("model_type", ""))
+    arch = registry.by_hf_model_type(model_type)
+    if arch is None:
+        named = model_type or ", ".join(d.get("architectures") or []) or "(none given)"
+        raise ModelLoadError(
+            path, f"unsupported architecture {named}; supported: {registry.supported()}"
+        )
+    return arch
+
+
+def config_from_hf(path: str, d: dict[str, Any]) -> tuple[Architecture, ModelConfig]:
+    """Read a config.json dict (transformers 4.x or 5.x layout)."""
+    arch = _hf_architecture(path, d)
+
+    def need(key: str) -> Any:
+        if d.get(key) is None:
+            raise ModelLoadError(path, f"config.json lacks {key!r}")
+        return d[key]
+
+    if d.get("hidden_act", "silu") != "silu":
+        raise ModelLoadError(path, f"activation {d['hidden_act']!r} is not supported (only silu)")
+    if d.get("mlp_bias"):
+        raise ModelLoadError(path, "MLP biases are not supported")
+    if d.get("use_sliding_window"):
+        raise ModelLoadError(path, "sliding-window attention is not supported")
+    params = d.get("rope_parameters") or {}
+    if float(params.get("partial_rotary_factor", d.get("partial_rotary_factor", 1.0))) != 1.0:
+        raise ModelLoadError(path, "partial rotary embeddings are not supported")
+    theta = float(params.get("rope_theta", d.get("rope_theta", 10000.0)))
+    scaling = _check_rope(path, d.get("rope_scaling") or params or None)
+
+    hidden = int(need("hidden_size"))
+    heads = int(need("num_attention_heads"))
+    bias = arch.attention_bias
+    cfg = ModelConfig(
+        arch=arch.name,
+        vocab_size=int(need("vocab_size")),
+        hidden_size=hidden,
+        intermediate_size=int(need("intermediate_size")),
+        num_layers=int(need("num_hidden_layers")),
+        num_heads=heads,
+        num_kv_heads=int(d.get("num_key_value_heads") or heads),
+        head_dim=int(d.get("head_dim") or arch.default_head_dim or hidden // heads),
+        rms_norm_eps=float(d.get("rms_norm_eps", 1e-6)),
+        rope_theta=theta,
+        rope_scaling=scaling,
+        max_position_embeddings=int(d.get("max_position_embeddings", 4096)),
+        tie_word_embeddings=bool(d.get("tie_word_embeddings", False)),
+        attention_bias=bool(d.get("attention_bias", False)) if bias is None else bias,
+        qk_norm=arch.qk_norm,
+        bos_token_id=d.get("bos_token_id"),
+        eos_token_ids=_eos_list(d.get("eos_token_id")),
+    )
+    return arch, cfg
+
+
+def gguf_architecture(path: str, metadata: dict[str, Any]) -> Architecture:
+    name = str(metadata.get("general.architecture", ""))
+    arch = registry.by_gguf_name(name)
+    if arch is None:
+        raise ModelLoadError(
+            path, f"unsupported architecture {name or '(none given)'}; supported: {registry.supported()}"
+        )
+    return arch
+
+
+def _uniform(path: str, key: str, value: Any) -> int:
+    """GGUF allows per-layer arrays for some counts; accept them only when all equal."""
+    if isinstance(value, (list, tuple)):
+        if len(set(value)) != 1:
+            raise ModelLoadError(path, f"{key} differs between layers, which is not supported")
+        value = value[0]
+    return int(value)
+
+
+def config_from_gguf(
+    path: str,
+    metadata: dict[str, Any],
+    tensor_names: Collection[str],
+    rope_freq_factors: list[float] | None,
+) -> tuple[Architecture, ModelConfig]:
+    """Map `{arch}.*` and `tokenizer.ggml.*` metadata to a ModelConfig."""
+    arch = gguf_architecture(path, metadata)
+    a = arch.name
+
+    def get(key: str, default: Any = None) -> Any:
+        return metadata.get(f"{a}.{key}", default)
+
+    def need(key: str) -> Any:
+        if get(key) is None:
+            raise ModelLoadError(path, f"GGUF metadata lacks {a}.{key}")
+        return get(key)
+
+    hidden = int(need("embedding_length"))
+    heads = _uniform(path, f"{a}.attention.head_count", need("attention.head_count"))
+    kv_heads = _uniform(path, f"{a}.attention.head_count_kv", get("attention.head_count_kv", heads))
+    head_dim = int(get("attention.key_length", hidden // heads))
+    if int(get("attention.value_length", head_dim)) != head_dim:
+        raise ModelLoadError(path, "different key and value head sizes are not supported")
+    if int(get("rope.dimension_count", head_dim)) != head_dim:
+        raise ModelLoadError(path, "partial rotary embeddings are not supported")
+
+    vocab = get("vocab_size")
+    if vocab is None and metadata.get("tokenizer.ggml.tokens") is not None:
+        vocab = len(metadata["tokenizer.ggml.tokens"])
+    if vocab is None:
+        raise ModelLoadError(path, f"GGUF metadata gives no vocabulary size ({a}.vocab_size or tokens)")
+
+    kind = str(get("rope.scaling.type", "none"))
+    factor = get("rope.scaling.factor", get("rope.scale_linear"))
+    scaling: dict[str, Any] | None = None
+    if kind == "linear" or (kind == "none" and factor not in (None, 1.0)):
+        scaling = {"rope_type": "linear", "factor": float(factor if factor is not None else 1.0)}
+    elif kind != "none":
+        raise ModelLoadError(path, f"rope scaling {kind!r} is not supported (supported: linear, llama3)")
+
+    bias = arch.attention_bias
+    cfg = ModelConfig(
+        arch=a,
+        vocab_size=int(vocab),
+        hidden_size=hidden,
+        intermediate_size=int(need("feed_forward_length")),
+        num_layers=int(need("block_count")),
+        num_heads=heads,
+        num_kv_heads=kv_heads,
+        head_dim=head_dim,
+        rms_norm_eps=float(get("attention.layer_norm_rms_epsilon", 1e-5)),
+        rope_theta=float(get("rope.freq_base", 10000.0)),
+        rope_scaling=scaling,
+        rope_freq_factors=rope_freq_factors,
+        max_position_embeddings=int(get("context_length", 4096)),
+        tie_word_embeddings="output.weight" not in tensor_names,
+        attention_bias=("blk.0.attn_q.bias" in tensor_names) if bias is None else bias,
+        qk_norm=arch.qk_norm,
+        bos_token_id=_opt_int(metadata.get("tokenizer.ggml.bos_token_id")),
+        eos_token_ids=list(
+            dict.fromkeys(
+                int(metadata[k])
+                for k in ("tokenizer.ggml.eos_token_id", "tokenizer.ggml.eot_token_id")
+                if metadata.get(k) is not None
+            )
+        ),
+    )
+    return arch, cfg
+
+
+def _opt_int(value: Any) -> int | None:
+    return None if value is None else int(value)

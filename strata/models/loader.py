@@ -1,0 +1,183 @@
+"""`load_model`: a GGUF file or a Hugging Face folder in, a ready `DecoderModel` out.
+
+The module is built on the meta device and each parameter is assigned the
+tensor read from the file (memory-mapped, or dequantized on the target
+device), so weights exist once, never as a random init plus a copy. Names,
+shapes and types are all checked before the first tensor is read, so a bad
+file fails fast with one ModelLoadError line.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from tqdm import tqdm
+
+from strata.default_model import default_model_path
+from strata.errors import ModelLoadError
+from strata.models.architecture import Architecture
+from strata.models.base import ModelConfig
+from strata.models.config import config_from_gguf, config_from_hf, gguf_architecture
+from strata.models.layers import DecoderModel
+from strata.models.naming import Part, gguf_parts, hf_parts
+from strata.models.sources import GGUFSource, SafetensorsSource, WeightSource
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+DEFAULT_DTYPE = torch.bfloat16  # batch-invariant matmul on the CPU: see docs/ARCHITECTURE.md
+
+PartsOf = Callable[[str, int], list[Part]]
+
+
+@dataclass
+class LoadedModel:
+    model: DecoderModel
+    config: ModelConfig
+    tokenizer: Any  # strata.tokenizer.Tokenizer, or None where none is wired yet
+    identity: str  # sha256 of tensor names, shapes and types: ties session files to weights
+    name: str  # file stem or folder name, as shown to API clients
+    path: str
+    device: torch.device
+    dtype: torch.dtype
+
+
+def resolve_device(device: str | torch.device, path: str) -> torch.device:
+    """"auto" picks CUDA when present; asking for CUDA without it is a load error."""
+    if str(device) == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    dev = torch.device(device)
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise ModelLoadError(path, f"device {device} was asked for but CUDA is not available")
+    return dev
+
+
+def resolve_dtype(dtype: str | torch.dtype) -> torch.dtype:
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    if dtype == "auto":
+        return DEFAULT_DTYPE
+    if dtype not in DTYPES:
+        raise ValueError(f"dtype {dtype!r} is not one of auto, {', '.join(DTYPES)}")
+    return DTYPES[dtype]
+
+
+def load_model(
+    path: str | None = None,
+    device: str | torch.device = "auto",
+    dtype: str | torch.dtype = "auto",
+    progress: bool = True,
+) -> LoadedModel:
+    """Load a `.gguf` file or an HF folder (config.json + safetensors); None: the embedded default."""
+    path = str(default_model_path()) if path is None else str(path)
+    p = Path(path)
+    if not p.exists():
+        raise ModelLoadError(path, "no such file or folder")
+    dev = resolve_device(device, path)
+    dt = resolve_dtype(dtype)
+    if p.is_dir():
+        source, arch, cfg, parts_of = _open_folder(p)
+    else:
+        source, arch, cfg, parts_of = _open_gguf(p, dev)
+    with torch.device("meta"):
+        model = arch.model_class(cfg)
+    _fill(model, source, parts_of, path, dev, dt, progress)
+    model.requires_grad_(False).eval()
+    model.set_max_positions(cfg.max_position_embeddings)
+    return LoadedModel(
+        model=model,
+        config=cfg,
+        tokenizer=None,
+        identity=source.identity(),
+        name=p.name if p.is_dir() else p.stem,
+        path=path,
+        device=dev,
+        dtype=dt,
+    )
+
+
+def _open_folder(p: Path) -> tuple[WeightSource, Architecture, ModelConfig, PartsOf]:
+    path = str(p)
+    cfg_file = p / "config.json"
+    if not cfg_file.is_file():
+        raise ModelLoadError(path, "folder has no config.json (a model folder needs config.json and *.safetensors)")
+    try:
+        raw = json.loads(cfg_file.read_text())
+    except (ValueError, OSError) as e:
+        raise ModelLoadError(str(cfg_file), f"not valid JSON ({e})") from None
+    if not isinstance(raw, dict):
+        raise ModelLoadError(str(cfg_file), "not a JSON object")
+    arch, cfg = config_from_hf(path, raw)
+    cfg.eos_token_ids = list(dict.fromkeys(cfg.eos_token_ids + _generation_eos(p)))
+    source = SafetensorsSource(p)
+    return source, arch, cfg, lambda name, rows: hf_parts(name, rows, cfg)
+
+
+def _generation_eos(p: Path) -> list[int]:
+    """generation_config.json often lists end-of-turn ids that config.json lacks."""
+    f = p / "generation_config.json"
+    try:
+        eos = json.loads(f.read_text()).get("eos_token_id") if f.is_file() else None
+    except (ValueError, OSError, AttributeError):
+        return []
+    if eos is None:
+        return []
+    return [int(e) for e in eos] if isinstance(eos, list) else [int(eos)]
+
+
+def _open_gguf(p: Path, dev: torch.device) -> tuple[WeightSource, Architecture, ModelConfig, PartsOf]:
+    path = str(p)
+    source = GGUFSource(path)
+    meta = source.file.metadata
+    gguf_architecture(path, meta)  # an unsupported architecture fails before any tensor is read
+    factors = None
+    if "rope_freqs.weight" in source.names():
+        source.check("rope_freqs.weight")
+        factors = source.load("rope_freqs.weight", torch.device("cpu"), torch.float32).tolist()
+    arch, cfg = config_from_gguf(path, meta, source.names(), factors)
+    if factors is not None and len(factors) != cfg.head_dim // 2:
+        raise ModelLoadError(
+            path, f"tensor rope_freqs.weight has {len(factors)} entries, expected {cfg.head_dim // 2}"
+        )
+    return source, arch, cfg, lambda name, rows: gguf_parts(name, rows, cfg, arch)
+
+
+def _fill(
+    model: DecoderModel,
+    source: WeightSource,
+    parts_of: PartsOf,
+    path: str,
+    device: torch.device,
+    dtype: torch.dtype,
+    progress: bool,
+) -> None:
+    """Check every needed tensor, then read them one by one into the meta-built model."""
+    available = source.names()
+    plan: dict[str, list[Part]] = {}
+    for pname, param in model.named_parameters():
+        parts = parts_of(pname, param.shape[0])
+        for part in parts:
+            if part.name not in available:
+                raise ModelLoadError(path, f"missing tensor {part.name}")
+            want = (part.rows, *param.shape[1:])
+            got = tuple(source.shape(part.name))
+            if got != want:
+                raise ModelLoadError(
+                    path, f"tensor {part.name} has shape {list(got)}, the config needs {list(want)}"
+                )
+            source.check(part.name)
+        plan[pname] = parts
+    state: dict[str, torch.Tensor] = {}
+    bar = tqdm(plan.items(), desc=f"loading {Path(path).name}", unit="tensor",
+               file=sys.stderr, disable=not progress, leave=False)
+    for pname, parts in bar:
+        pieces = []
+        for part in parts:
+            t = source.load(part.name, device, dtype)
+            pieces.append(part.fix(t) if part.fix is not None else t)
+        state[pname] = pieces[0] if len(pieces) == 1 else torch.cat(pieces, dim=0)
+    model.load_state_dict(state, strict=True, assign=True)

@@ -1,0 +1,111 @@
+"""Which stored tensors make each parameter of `DecoderModel`.
+
+A fused parameter (qkv_proj, gate_up_proj) is several stored tensors stacked
+along rows, so each parameter maps to a list of `Part`s: the stored name, how
+many rows it contributes, and an optional fix-up applied after loading (the
+llama Q/K row order of GGUF files).
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+from strata.models.architecture import Architecture
+from strata.models.base import ModelConfig
+
+Fix = Callable[[torch.Tensor], torch.Tensor]
+
+
+@dataclass(frozen=True)
+class Part:
+    name: str  # the tensor's name in the file
+    rows: int  # rows it fills in the parameter (dim 0)
+    fix: Fix | None = None
+
+
+_LAYER = re.compile(r"layers\.(\d+)\.(.+)")
+
+_HF_LAYER = {
+    "input_layernorm.weight": ["input_layernorm.weight"],
+    "post_attention_layernorm.weight": ["post_attention_layernorm.weight"],
+    "self_attn.o_proj.weight": ["self_attn.o_proj.weight"],
+    "self_attn.q_norm.weight": ["self_attn.q_norm.weight"],
+    "self_attn.k_norm.weight": ["self_attn.k_norm.weight"],
+    "mlp.down_proj.weight": ["mlp.down_proj.weight"],
+    "self_attn.qkv_proj.weight": [f"self_attn.{p}_proj.weight" for p in "qkv"],
+    "self_attn.qkv_proj.bias": [f"self_attn.{p}_proj.bias" for p in "qkv"],
+    "mlp.gate_up_proj.weight": ["mlp.gate_proj.weight", "mlp.up_proj.weight"],
+}
+
+_GGUF_LAYER = {
+    "input_layernorm.weight": ["attn_norm.weight"],
+    "post_attention_layernorm.weight": ["ffn_norm.weight"],
+    "self_attn.o_proj.weight": ["attn_output.weight"],
+    "self_attn.q_norm.weight": ["attn_q_norm.weight"],
+    "self_attn.k_norm.weight": ["attn_k_norm.weight"],
+    "mlp.down_proj.weight": ["ffn_down.weight"],
+    "self_attn.qkv_proj.weight": ["attn_q.weight", "attn_k.weight", "attn_v.weight"],
+    "self_attn.qkv_proj.bias": ["attn_q.bias", "attn_k.bias", "attn_v.bias"],
+    "mlp.gate_up_proj.weight": ["ffn_gate.weight", "ffn_up.weight"],
+}
+
+_GGUF_TOP = {
+    "embed_tokens.weight": "token_embd.weight",
+    "norm.weight": "output_norm.weight",
+    "lm_head.weight": "output.weight",
+}
+
+
+def _rows(cfg: ModelConfig, rest: str, rows: int, n: int) -> list[int]:
+    """Row counts of the n parts of a parameter with `rows` rows."""
+    if rest.startswith("self_attn.qkv_proj"):
+        kv = cfg.num_kv_heads * cfg.head_dim
+        return [cfg.num_heads * cfg.head_dim, kv, kv]
+    return [rows // n] * n
+
+
+def hf_parts(param: str, rows: int, cfg: ModelConfig) -> list[Part]:
+    """Parts of `param` in a Hugging Face checkpoint (names under "model.")."""
+    if param == "lm_head.weight":
+        return [Part("lm_head.weight", rows)]
+    m = _LAYER.fullmatch(param)
+    if m is None:
+        return [Part(f"model.{param}", rows)]
+    layer, rest = m.groups()
+    names = _HF_LAYER[rest]
+    counts = _rows(cfg, rest, rows, len(names))
+    return [Part(f"model.layers.{layer}.{n}", r) for n, r in zip(names, counts)]
+
+
+def unpermute_rows(t: torch.Tensor, n_heads: int) -> torch.Tensor:
+    """Undo llama.cpp's Q/K row order.
+
+    Its converter stores each head's rows as interleaved (even, odd) pairs for
+    its own RoPE kernel; Hugging Face's layout keeps the two halves apart.
+    Works on weights [rows, in] and biases [rows].
+    """
+    rows = t.shape[0]
+    half = rows // n_heads // 2
+    rest = t.shape[1:]
+    return t.reshape(n_heads, half, 2, *rest).transpose(1, 2).reshape(rows, *rest)
+
+
+def gguf_parts(param: str, rows: int, cfg: ModelConfig, arch: Architecture) -> list[Part]:
+    """Parts of `param` in a GGUF file (llama.cpp's names)."""
+    if param in _GGUF_TOP:
+        return [Part(_GGUF_TOP[param], rows)]
+    m = _LAYER.fullmatch(param)
+    if m is None:
+        raise KeyError(param)
+    layer, rest = m.groups()
+    names = _GGUF_LAYER[rest]
+    counts = _rows(cfg, rest, rows, len(names))
+    fixes: list[Fix | None] = [None] * len(names)
+    if arch.gguf_qk_permuted and rest.startswith("self_attn.qkv_proj"):
+        fixes[0] = lambda t: unpermute_rows(t, cfg.num_heads)
+        fixes[1] = lambda t: unpermute_rows(t, cfg.num_kv_heads)
+    return [Part(f"blk.{layer}.{n}", r, f) for n, r, f in zip(names, counts, fixes)]

@@ -1,0 +1,31 @@
+"""The supported architectures, by name. Adding one: a module plus one line here."""
+
+from __future__ import annotations
+
+from strata.models import llama, qwen2, qwen3
+from strata.models.architecture import Architecture
+
+ARCHITECTURES: dict[str, Architecture] = {
+    a.name: a
+    for a in (
+        llama.ARCH,
+        qwen2.ARCH,
+        qwen3.ARCH,
+    )
+}
+
+
+def supported() -> str:
+    """The names, for error messages."""
+    return ", ".join(sorted(ARCHITECTURES))
+
+
+def by_gguf_name(name: str) -> Architecture | None:
+    return ARCHITECTURES.get(name)
+
+
+def by_hf_model_type(model_type: str) -> Architecture | None:
+    for arch in ARCHITECTURES.values():
+        if model_type in arch.hf_model_types:
+            return arch
+    return None

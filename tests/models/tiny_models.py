@@ -1,0 +1,88 @@
+"""Tiny random transformers models of each architecture, and their greedy output.
+
+Weights are drawn larger than transformers' init (and norms and biases are
+not left at 1 and 0), so logits are peaked enough for greedy decoding to be
+decided by the weights rather than by rounding, and so a wrongly mapped
+norm or bias cannot go unnoticed.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import torch
+from transformers import AutoModelForCausalLM, LlamaConfig, Qwen2Config, Qwen3Config
+
+COMMON: dict[str, Any] = dict(
+    vocab_size=256,
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=256,
+    rms_norm_eps=1e-5,
+    bos_token_id=1,
+    eos_token_id=2,
+)
+
+LLAMA3_ROPE = {
+    "rope_type": "llama3",
+    "rope_theta": 10000.0,
+    "factor": 8.0,
+    "low_freq_factor": 1.0,
+    "high_freq_factor": 4.0,
+    # small, so head_dim 16's frequencies fall in all three bands (kept, blended, slowed)
+    "original_max_position_embeddings": 64,
+}
+
+CONFIGS = {
+    "llama": lambda: LlamaConfig(**COMMON, rope_parameters=LLAMA3_ROPE),
+    "llama_linear": lambda: LlamaConfig(
+        **COMMON, rope_parameters={"rope_type": "linear", "rope_theta": 500.0, "factor": 2.0}
+    ),
+    "llama_plain": lambda: LlamaConfig(**COMMON, rope_parameters={"rope_type": "default", "rope_theta": 10000.0}),
+    "qwen2": lambda: Qwen2Config(**COMMON, tie_word_embeddings=True),
+    "qwen3": lambda: Qwen3Config(**COMMON, head_dim=32),
+}
+
+PROMPT = [1, 17, 200, 33, 5, 90, 91, 255, 4, 64, 128, 7, 7, 42, 100, 3, 250, 12, 61, 8]
+
+
+def tiny_hf_model(kind: str, seed: int = 0) -> torch.nn.Module:
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(CONFIGS[kind](), dtype=torch.float32)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.copy_(1.0 + 0.2 * torch.randn_like(p))
+            elif name.endswith("bias"):
+                p.copy_(0.5 * torch.randn_like(p))
+            else:
+                p.copy_(0.15 * torch.randn_like(p))
+    return model.eval()
+
+
+def save_tiny(kind: str, folder: Path, seed: int = 0) -> torch.nn.Module:
+    model = tiny_hf_model(kind, seed)
+    model.save_pretrained(folder, safe_serialization=True)
+    return model
+
+
+@torch.inference_mode()
+def hf_logits(model: torch.nn.Module, ids: list[int]) -> torch.Tensor:
+    return model(torch.tensor([ids])).logits[0].float()
+
+
+@torch.inference_mode()
+def hf_greedy(model: torch.nn.Module, ids: list[int], n: int) -> list[int]:
+    out = model.generate(
+        torch.tensor([ids]),
+        attention_mask=torch.ones(1, len(ids), dtype=torch.long),
+        max_new_tokens=n,
+        min_new_tokens=n,
+        do_sample=False,
+        pad_token_id=0,
+    )
+    return out[0, len(ids):].tolist()
