@@ -103,18 +103,17 @@ class TableAttention:
         )
 
     def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        storage = self.pool.layers[layer]
-        self.fmt.write(storage, self.write_cells, k, v)
+        self.pool.write(layer, self.write_cells, k, v)
         out = torch.empty_like(q)
         for g in self.groups:
-            o = self._attend_group(storage, g, q)
+            o = self._attend_group(layer, g, q)
             out[g.out_rows] = o.reshape(-1, *o.shape[2:])[g.out_sel]
         return self.fmt.finish_output(out)
 
-    def _attend_group(self, storage: dict, g: _Group, q: torch.Tensor) -> torch.Tensor:
+    def _attend_group(self, layer: int, g: _Group, q: torch.Tensor) -> torch.Tensor:
         S, nmax = g.rows.shape
         hq, d = q.shape[1], q.shape[2]
-        kc, vc = self.fmt.read(storage, g.key_cells, q.dtype)  # [S*Lp, Hkv, D]
+        kc, vc = self.pool.read(layer, g.key_cells, q.dtype)  # [S*Lp, Hkv, D]
         hkv = kc.shape[1]
         grp = hq // hkv
         lp, nb = g.lp, g.lp // BLOCK

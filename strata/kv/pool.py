@@ -58,6 +58,7 @@ class KvPool:
         self.device = torch.device(device)
         num_cells = (self.num_chunks + 1) * chunk_size
         self.layers: list[Storage] = [fmt.allocate(num_cells, self.device, pin) for _ in range(num_layers)]
+        self.store = None  # a KV streaming store (kv/stream.py) when --kv-resident is set
         self.tables = torch.full((num_sessions, self.max_chunks), self.trash, dtype=torch.int64)
         self.tables_device = self.tables.to(self.device)  # fixed address: updated in place
         self.reserved = [0] * num_sessions  # chunks each session holds (a prefix of its table)
@@ -153,6 +154,20 @@ class KvPool:
                 self.owner[int(self.tables[s, c])] = s
         self._sync(a)
         self._sync(b)
+
+    # ---- cell I/O (streaming replaces these through `store`) ----------------
+    def write(self, layer: int, cells: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Store k, v [T, Hkv, D] of one layer at distinct cell indices `cells` [T]."""
+        if self.store is not None:
+            self.store.write(layer, cells, k, v)
+        else:
+            self.fmt.write(self.layers[layer], cells, k, v)
+
+    def read(self, layer: int, cells: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """Dequantized k, v [N, Hkv, D] of one layer at cell indices `cells` [N]."""
+        if self.store is not None:
+            return self.store.read(layer, cells, dtype)
+        return self.fmt.read(self.layers[layer], cells, dtype)
 
     # ---- addressing -------------------------------------------------------
     def cells(self, session: int, positions: torch.Tensor) -> torch.Tensor:
