@@ -1,0 +1,289 @@
+"""Session files: a conversation's tokens and K/V saved to disk and read back.
+
+Layout (all integers little-endian):
+
+    magic   8 bytes  b"STRATAKV"
+    version u32      FORMAT_VERSION
+    hlen    u32      length of the header JSON
+    header  hlen     UTF-8 JSON: model identity, KV format, token count, every
+                     layer's runs (name, dtype, cell shape), payload length and
+                     sha256, byte order, extra (JSON values)
+    hcrc    u32      crc32 of the header JSON
+    payload          token ids (int32), then each layer's runs in header order,
+                     the first n_tokens cells of each, raw bytes
+
+A load checks everything (magic, version, header, identity, format, lengths,
+checksum) before it returns anything, so a bad file never reaches the pool;
+`peek_session` reads only the header so the engine can reserve pool chunks
+before it writes a byte. Files are written to a temporary name and renamed.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import os
+import struct
+import sys
+import tempfile
+import zlib
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, BinaryIO
+
+import torch
+
+from strata.errors import BadRequest, SessionFileError
+from strata.kv.formats import Storage
+
+MAGIC = b"STRATAKV"
+FORMAT_VERSION = 1
+MAX_HEADER = 16 << 20  # a header is a few KB; anything larger is corruption
+_PREFIX = struct.Struct("<8sII")
+_CRC = struct.Struct("<I")
+TOKEN_DTYPE = torch.int32
+
+_DTYPES: dict[str, torch.dtype] = {
+    str(d).removeprefix("torch."): d
+    for d in (torch.float32, torch.float16, torch.bfloat16, torch.float64, torch.int8,
+              torch.uint8, torch.int16, torch.int32, torch.int64, torch.bool)
+}
+_DTYPE_NAMES = {d: n for n, d in _DTYPES.items()}
+
+
+@dataclass(frozen=True)
+class RunInfo:
+    name: str
+    dtype: str
+    shape: tuple[int, ...]  # per cell
+
+    def nbytes(self, n_cells: int) -> int:
+        return n_cells * math.prod(self.shape) * _element_size(self.dtype)
+
+
+@dataclass(frozen=True)
+class SessionHeader:
+    """What a session file holds, known before its payload is read."""
+
+    version: int
+    model_identity: str
+    kv_format: str
+    n_tokens: int
+    layers: tuple[tuple[RunInfo, ...], ...]
+    payload_len: int
+    payload_sha256: str
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def n_layers(self) -> int:
+        return len(self.layers)
+
+
+def _element_size(dtype: str) -> int:
+    return torch.empty((), dtype=_DTYPES[dtype]).element_size()
+
+
+def _payload_len(n_tokens: int, layers: tuple[tuple[RunInfo, ...], ...]) -> int:
+    return n_tokens * 4 + sum(r.nbytes(n_tokens) for runs in layers for r in runs)
+
+
+def _raw(t: torch.Tensor) -> memoryview:
+    """The bytes of a contiguous CPU tensor, without a copy where possible."""
+    return memoryview(t.contiguous().reshape(-1).view(torch.uint8).numpy())
+
+
+def resolve_session_path(session_dir: str | os.PathLike[str], name: str) -> Path:
+    """The file `name` inside `session_dir`; any name that could leave the folder is refused."""
+    bad = (
+        not isinstance(name, str) or not name.strip() or name in (".", "..")
+        or any(c in name for c in ("/", "\\", "\x00", os.sep))
+        or os.path.isabs(name) or len(name.encode("utf-8", "surrogatepass")) > 255
+    )
+    if bad:
+        raise BadRequest(f"invalid session filename {name!r}: use a plain file name",
+                         param="filename")
+    root = Path(session_dir).resolve()
+    path = (root / name).resolve()
+    if path.parent != root:
+        raise BadRequest(f"session filename {name!r} resolves outside the session folder",
+                         param="filename")
+    return path
+
+
+def save_session(
+    path: str | os.PathLike[str],
+    tokens: list[int] | torch.Tensor,
+    kv_layers: list[Storage],
+    *,
+    model_identity: str,
+    kv_format: str,
+    extra: dict[str, Any] | None = None,
+) -> int:
+    """Write a session file atomically; returns its size in bytes.
+
+    Each run tensor has a leading cell dimension of at least len(tokens); the
+    first len(tokens) cells are saved. `extra` must be JSON-serializable.
+    """
+    where = str(path)
+    toks = torch.as_tensor(tokens, dtype=TOKEN_DTYPE, device="cpu").reshape(-1).contiguous()
+    n = len(toks)
+    layers: list[list[tuple[RunInfo, torch.Tensor]]] = []
+    for i, storage in enumerate(kv_layers):
+        runs = []
+        for name, t in storage.items():
+            if t.dtype not in _DTYPE_NAMES:
+                raise SessionFileError(where, f"layer {i} run {name!r}: cannot save {t.dtype}")
+            if t.dim() < 1 or len(t) < n:
+                raise SessionFileError(where, f"layer {i} run {name!r} has fewer than {n} cells")
+            cells = t[:n].to("cpu").contiguous()
+            runs.append((RunInfo(name, _DTYPE_NAMES[t.dtype], tuple(t.shape[1:])), cells))
+        layers.append(runs)
+    infos = tuple(tuple(r for r, _ in runs) for runs in layers)
+    chunks = [_raw(toks)] + [_raw(t) for runs in layers for _, t in runs]
+    digest = hashlib.sha256()
+    for c in chunks:
+        digest.update(c)
+    header = {
+        "model_identity": model_identity, "kv_format": kv_format, "n_tokens": n,
+        "layers": [[{"name": r.name, "dtype": r.dtype, "shape": list(r.shape)} for r in runs]
+                   for runs in infos],
+        "payload_len": _payload_len(n, infos), "payload_sha256": digest.hexdigest(),
+        "byteorder": sys.byteorder, "extra": extra or {},
+    }
+    try:
+        blob = json.dumps(header, separators=(",", ":")).encode("utf-8")
+    except (TypeError, ValueError) as e:
+        raise SessionFileError(where, f"extra state is not JSON-serializable: {e}") from None
+    target = Path(path)
+    tmp: str | None = None
+    try:
+        fd, tmp = tempfile.mkstemp(dir=target.parent, prefix=f".{target.name}.", suffix=".tmp")
+        with os.fdopen(fd, "wb") as f:
+            f.write(_PREFIX.pack(MAGIC, FORMAT_VERSION, len(blob)))
+            f.write(blob)
+            f.write(_CRC.pack(zlib.crc32(blob)))
+            for c in chunks:
+                f.write(c)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, target)
+    except OSError as e:
+        if tmp is not None:
+            Path(tmp).unlink(missing_ok=True)
+        raise SessionFileError(where, f"cannot write: {e.strerror or e}") from None
+    return _PREFIX.size + len(blob) + _CRC.size + header["payload_len"]
+
+
+def _read_exact(f: BinaryIO, n: int, where: str, what: str) -> bytes:
+    data = f.read(n)
+    if len(data) != n:
+        raise SessionFileError(where, f"file is truncated (in the {what})")
+    return data
+
+
+def _parse_header(blob: bytes, where: str) -> dict[str, Any]:
+    try:
+        h = json.loads(blob.decode("utf-8"))
+        layers = tuple(
+            tuple(RunInfo(str(r["name"]), str(r["dtype"]), tuple(int(s) for s in r["shape"]))
+                  for r in runs)
+            for runs in h["layers"]
+        )
+        out = {
+            "model_identity": str(h["model_identity"]), "kv_format": str(h["kv_format"]),
+            "n_tokens": int(h["n_tokens"]), "layers": layers,
+            "payload_len": int(h["payload_len"]), "payload_sha256": str(h["payload_sha256"]),
+            "byteorder": str(h["byteorder"]), "extra": dict(h["extra"]),
+        }
+    except (UnicodeDecodeError, ValueError, KeyError, TypeError) as e:
+        raise SessionFileError(where, f"header is malformed ({type(e).__name__}: {e})") from None
+    for runs in layers:
+        if len({r.name for r in runs}) != len(runs):
+            raise SessionFileError(where, "header names a run twice in one layer")
+        for r in runs:
+            if r.dtype not in _DTYPES or any(s < 0 for s in r.shape):
+                raise SessionFileError(where, f"header names an unknown run layout {r}")
+    return out
+
+
+def _read_header(
+    f: BinaryIO, where: str, model_identity: str | None, kv_format: str | None
+) -> SessionHeader:
+    magic, version, hlen = _PREFIX.unpack(_read_exact(f, _PREFIX.size, where, "file header"))
+    if magic != MAGIC:
+        raise SessionFileError(where, "not a Strata session file (bad magic bytes)")
+    if version != FORMAT_VERSION:
+        raise SessionFileError(
+            where, f"session file format version {version}; this Strata reads {FORMAT_VERSION}")
+    if hlen > MAX_HEADER:
+        raise SessionFileError(where, f"header length {hlen} is implausible (file corrupted)")
+    blob = _read_exact(f, hlen, where, "header")
+    (crc,) = _CRC.unpack(_read_exact(f, _CRC.size, where, "header checksum"))
+    if zlib.crc32(blob) != crc:
+        raise SessionFileError(where, "header checksum mismatch (file corrupted)")
+    h = _parse_header(blob, where)
+    if h["byteorder"] != sys.byteorder:
+        raise SessionFileError(where, f"saved on a {h['byteorder']}-endian machine")
+    if model_identity is not None and h["model_identity"] != model_identity:
+        raise SessionFileError(
+            where, f"saved by another model (identity {h['model_identity'][:16]}, "
+                   f"this model {model_identity[:16]})")
+    if kv_format is not None and h["kv_format"] != kv_format:
+        raise SessionFileError(
+            where, f"saved with --kv {h['kv_format']}, this engine uses --kv {kv_format}")
+    if h["n_tokens"] < 0 or h["payload_len"] != _payload_len(h["n_tokens"], h["layers"]):
+        raise SessionFileError(where, "header lengths disagree (file corrupted)")
+    have = os.fstat(f.fileno()).st_size - f.tell()
+    if have < h["payload_len"]:
+        raise SessionFileError(
+            where, f"file is truncated: payload has {have} of {h['payload_len']} bytes")
+    if have > h["payload_len"]:
+        extra_bytes = have - h["payload_len"]
+        raise SessionFileError(where, f"{extra_bytes} unexpected bytes after the payload")
+    h.pop("byteorder")
+    return SessionHeader(version=version, **h)
+
+
+def _open(path: str | os.PathLike[str]) -> BinaryIO:
+    try:
+        return open(path, "rb")
+    except OSError as e:
+        raise SessionFileError(str(path), f"cannot open: {e.strerror or e}") from None
+
+
+def peek_session(
+    path: str | os.PathLike[str], *, model_identity: str | None = None, kv_format: str | None = None
+) -> SessionHeader:
+    """The header of a session file (validated, and checked against the model and
+    format when given) without reading the payload: enough to reserve pool chunks."""
+    with _open(path) as f:
+        return _read_header(f, str(path), model_identity, kv_format)
+
+
+def load_session(
+    path: str | os.PathLike[str], *, model_identity: str, kv_format: str
+) -> tuple[torch.Tensor, list[Storage]]:
+    """(token ids int32 [n], per layer run name -> CPU tensor [n, *cell shape]).
+
+    Raises SessionFileError naming the file for anything wrong; nothing is
+    returned until the payload checksum has been verified.
+    """
+    where = str(path)
+    with _open(path) as f:
+        h = _read_header(f, where, model_identity, kv_format)
+        n = h.n_tokens
+        tokens = torch.empty(n, dtype=TOKEN_DTYPE)
+        layers: list[Storage] = [
+            {r.name: torch.empty((n, *r.shape), dtype=_DTYPES[r.dtype]) for r in runs}
+            for runs in h.layers
+        ]
+        digest = hashlib.sha256()
+        for t in [tokens] + [t for s in layers for t in s.values()]:
+            buf = _raw(t)
+            if f.readinto(buf) != len(buf):
+                raise SessionFileError(where, "file is truncated (in the payload)")
+            digest.update(buf)
+    if digest.hexdigest() != h.payload_sha256:
+        raise SessionFileError(where, "payload checksum mismatch (file corrupted)")
+    return tokens, layers
