@@ -1,0 +1,187 @@
+"""The FastAPI app: routes of both APIs, auth, one log line per request, errors, metrics.
+
+`build_app` takes an engine (or None while it loads: `attach_engine` hands it
+over later), so tests can serve a fake engine and `run_server` can bind the
+socket before the model is read.
+"""
+
+from __future__ import annotations
+
+import hmac
+import logging
+import time
+from typing import Any
+
+from fastapi import FastAPI, Request
+from prometheus_client import CONTENT_TYPE_LATEST
+from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.responses import JSONResponse, Response
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+import strata
+from strata.serve import anthropic_api, openai_api
+from strata.serve.errors import ApiError, error_response
+from strata.serve.state import ServeState, serve_state
+from strata.serve.streaming import ClientDisconnected
+
+log = logging.getLogger("strata.serve")
+
+OPEN_PATHS = {"/health"}  # answered without an API key: load balancers probe it
+
+
+class AccessMiddleware:
+    """Auth, the per-request log line and request metrics, as plain ASGI.
+
+    Plain ASGI (not BaseHTTPMiddleware) so streaming responses and the
+    disconnect watcher see the real receive channel. It is also the last line
+    of defence: an exception that escaped every handler becomes a logged 500
+    in the API's error shape and the server keeps going.
+    """
+
+    def __init__(self, app: ASGIApp, state: ServeState, known_paths: set[str]) -> None:
+        self.app = app
+        self.state = state
+        self.known_paths = known_paths  # metric labels: unmatched paths count as "other"
+
+    def _authorized(self, scope: Scope) -> bool:
+        key = self.state.api_key
+        if not key or scope["path"] in OPEN_PATHS:
+            return True
+        headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope["headers"]}
+        offered = headers.get("x-api-key")
+        auth = headers.get("authorization", "")
+        if offered is None and auth[:7].lower() == "bearer ":
+            offered = auth[7:].strip()
+        return offered is not None and hmac.compare_digest(offered.encode(), key.encode())
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        t0 = time.monotonic()
+        info: dict[str, Any] = scope.setdefault("strata.info", {})
+        info["t0"] = t0
+        status = 0
+        started = False
+
+        async def send_wrapper(message: Message) -> None:
+            nonlocal status, started
+            if message["type"] == "http.response.start":
+                status, started = message["status"], True
+            await send(message)
+
+        metrics = self.state.metrics
+        metrics.active_requests += 1
+        try:
+            if not self._authorized(scope):
+                err = ApiError(401, "Missing or invalid API key: send 'Authorization: Bearer KEY' "
+                                    "or 'x-api-key: KEY'", code="invalid_api_key")
+                await error_response(scope["path"], err)(scope, receive, send_wrapper)
+            else:
+                await self.app(scope, receive, send_wrapper)
+        except Exception as exc:
+            log.exception("unhandled error on %s %s", scope["method"], scope["path"])
+            if not started:
+                err = ApiError(500, f"internal error: {type(exc).__name__}: {exc}", code="internal_error")
+                await error_response(scope["path"], err)(scope, receive, send_wrapper)
+        finally:
+            metrics.active_requests -= 1
+            elapsed = time.monotonic() - t0
+            endpoint = getattr(scope.get("route"), "path", None) or scope["path"]
+            if endpoint not in self.known_paths:
+                endpoint = "other"
+            metrics.requests.labels(endpoint=endpoint, status=str(status or 499)).inc()
+            metrics.duration.labels(endpoint=endpoint).observe(elapsed)
+            self._log(scope, status, elapsed, info)
+
+    @staticmethod
+    def _log(scope: Scope, status: int, elapsed: float, info: dict[str, Any]) -> None:
+        extras = " ".join(
+            f"{k}={info[k]}" for k in ("prompt", "completion", "cached", "finish", "truncated", "user")
+            if info.get(k) is not None
+        )
+        log.info("%s %s %s %.3fs %s", scope["method"], scope["path"], status or "-", elapsed, extras)
+
+
+def _jsonable(value: Any) -> Any:
+    if isinstance(value, dict):
+        return {str(k): _jsonable(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_jsonable(v) for v in value]
+    if value is None or isinstance(value, (bool, int, float, str)):
+        return value
+    return str(value)
+
+
+def attach_engine(app: FastAPI, engine: Any, model_name: str | None = None) -> None:
+    """Start serving `engine` (called once it has loaded)."""
+    state: ServeState = app.state.strata
+    state.model_name = model_name or getattr(engine, "model_name", None) or state.model_name
+    state.engine = engine
+
+
+def build_app(
+    engine: Any | None,
+    *,
+    api_key: str | None = None,
+    model_name: str | None = None,
+    session_dir: str | None = None,
+) -> FastAPI:
+    """The HTTP app over `engine`; None means "loading" until attach_engine()."""
+    name = model_name or (getattr(engine, "model_name", None) if engine is not None else None) or "strata"
+    state = ServeState(engine=engine, model_name=name, api_key=api_key, session_dir=session_dir)
+    app = FastAPI(title="Strata", version=strata.__version__, docs_url=None, redoc_url=None,
+                  openapi_url=None)
+    app.state.strata = state
+    app.include_router(openai_api.router)
+    app.include_router(anthropic_api.router)
+    # Session-file endpoints (save/restore a conversation under session_dir) belong to a
+    # later issue; they will be another router included here, reading state.session_dir.
+
+    @app.exception_handler(ApiError)
+    async def _api_error(request: Request, exc: ApiError) -> Response:
+        return error_response(request.url.path, exc)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http_error(request: Request, exc: StarletteHTTPException) -> Response:
+        message = exc.detail if isinstance(exc.detail, str) else str(exc.detail)
+        if exc.status_code == 404:
+            message = f"No such endpoint: {request.method} {request.url.path}"
+        elif exc.status_code == 405:
+            message = f"Method {request.method} is not allowed on {request.url.path}"
+        return error_response(request.url.path, ApiError(exc.status_code, message, headers=exc.headers))
+
+    @app.exception_handler(ClientDisconnected)
+    async def _gone(request: Request, exc: ClientDisconnected) -> Response:
+        return Response(status_code=499)  # never read: the client has left
+
+    @app.get("/health")
+    async def health(request: Request) -> JSONResponse:
+        st = serve_state(request)
+        if st.engine is not None:
+            return JSONResponse({"status": "ok", "model": st.model_name})
+        if st.load_error is not None:
+            return JSONResponse({"status": "error", "message": st.load_error}, status_code=503)
+        return JSONResponse({"status": "loading"}, status_code=503)
+
+    @app.get("/metrics")
+    async def metrics(request: Request) -> Response:
+        return Response(serve_state(request).metrics.render(), media_type=CONTENT_TYPE_LATEST)
+
+    @app.get("/v1/state")
+    async def live_state(request: Request) -> JSONResponse:
+        st = serve_state(request)
+        stats = st.engine_stats()
+        return JSONResponse({
+            "model": st.model_name,
+            "ready": st.engine is not None,
+            "uptime_s": round(time.time() - st.started, 3),
+            "requests_in_flight": st.metrics.active_requests,
+            "max_context": int(st.engine.config.max_context) if st.engine is not None else None,
+            "stats": _jsonable(stats) if stats is not None else None,
+        })
+
+    known = {"/health", "/metrics", "/v1/state"}
+    known |= {r.path for router in (openai_api.router, anthropic_api.router) for r in router.routes}
+    app.add_middleware(AccessMiddleware, state=state, known_paths=known)
+    return app

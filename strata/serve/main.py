@@ -1,0 +1,131 @@
+"""`strata serve`: flags, loading the engine behind a bound socket, clean shutdown.
+
+The socket is bound first and the model loads in a background thread, so
+/health answers 503 "loading" during the load instead of refusing connections.
+uvicorn owns SIGINT/SIGTERM: it stops accepting, lets streams end (cancelling
+them after a grace period, which frees their lanes), and then the engine is
+closed here.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import logging
+import os
+import signal
+import threading
+from collections.abc import Iterator
+from typing import Any
+
+import uvicorn
+
+from strata.serve.app import attach_engine, build_app
+
+log = logging.getLogger("strata.serve")
+
+LOG_LEVELS = ["debug", "info", "warning", "error", "critical"]
+GRACEFUL_SHUTDOWN_S = 5
+
+
+def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
+    """Declare the server's own flags (engine flags come from add_engine_arguments)."""
+    g = parser.add_argument_group("server")
+    g.add_argument("--host", default="127.0.0.1", help="address to bind (default: 127.0.0.1)")
+    g.add_argument("--port", type=int, default=8080, help="port to bind (default: 8080)")
+    g.add_argument("--api-key", default=os.environ.get("STRATA_API_KEY"),
+                   help="require 'Authorization: Bearer KEY' or 'x-api-key: KEY' (default: $STRATA_API_KEY)")
+    g.add_argument("--log-level", default="info", choices=LOG_LEVELS, help="log verbosity")
+
+
+def _model_label(model: str | None) -> str:
+    """A name for /v1/models before the engine knows its own."""
+    if not model:
+        return "SmolLM2-135M-Instruct"
+    base = os.path.basename(os.path.normpath(model))
+    return base[:-5] if base.endswith(".gguf") else base
+
+
+def _configure_logging(level: str) -> None:
+    logging.basicConfig(level=level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logging.getLogger("strata").setLevel(level.upper())
+
+
+def run_server(args: argparse.Namespace) -> int:
+    """Serve until SIGINT/SIGTERM; the exit status (1 when the model could not load)."""
+    from strata.engine import Engine  # the engine package is heavy; import it only to serve
+    from strata.engine.config import config_from_args
+
+    _configure_logging(args.log_level)
+    config = config_from_args(args)
+    app = build_app(None, api_key=args.api_key, model_name=_model_label(config.model),
+                    session_dir=config.session_dir)
+    server = uvicorn.Server(uvicorn.Config(
+        app, host=args.host, port=args.port, log_level=args.log_level, access_log=False,
+        timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S, log_config=None,
+    ))
+    holder: dict[str, Any] = {}
+    lock = threading.Lock()
+
+    def load() -> None:
+        try:
+            engine = Engine(config)
+        except Exception as exc:  # ModelLoadError and anything else: report, then stop serving
+            log.error("could not load the model: %s", exc, exc_info=not _is_user_error(exc))
+            app.state.strata.load_error = str(exc)
+            holder["failed"] = True
+            server.should_exit = True
+            return
+        with lock:
+            if server.should_exit:  # shut down while loading: nobody will serve it
+                engine.close()
+                return
+            holder["engine"] = engine
+            attach_engine(app, engine)
+        log.info("model %s loaded; serving on http://%s:%d", app.state.strata.model_name, args.host, args.port)
+
+    threading.Thread(target=load, name="strata-load", daemon=True).start()
+    log.info("strata serve: binding http://%s:%d (model loading)", args.host, args.port)
+    try:
+        with _signals_end_quietly():
+            server.run()
+    finally:
+        with lock:
+            server.should_exit = True
+            engine = holder.pop("engine", None)
+        if engine is not None:
+            engine.close()
+            log.info("engine closed")
+    return 1 if holder.get("failed") else 0
+
+
+@contextlib.contextmanager
+def _signals_end_quietly() -> Iterator[None]:
+    """After its graceful shutdown uvicorn re-raises the signal it caught; by default SIGTERM
+    would then kill the process before the engine is closed. Handlers that do nothing turn
+    that re-raise into a normal return (uvicorn installs its own while it runs)."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    previous = {sig: signal.signal(sig, lambda *_: None) for sig in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        yield
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+
+
+def _is_user_error(exc: Exception) -> bool:
+    from strata.errors import StrataError
+
+    return isinstance(exc, StrataError)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """`python -m strata.serve`: the same flags as `strata serve`."""
+    from strata.engine.config import add_engine_arguments
+
+    parser = argparse.ArgumentParser(prog="strata serve", description="OpenAI- and Anthropic-compatible server")
+    add_engine_arguments(parser)
+    add_serve_arguments(parser)
+    return run_server(parser.parse_args(argv))

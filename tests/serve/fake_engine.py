@@ -1,0 +1,239 @@
+"""A small engine with the real Engine's interface and predictable text.
+
+One character is one token, so counts are easy to check by eye. The reply
+depends only on the prompt, the seed and the sampling switches, and knobs
+(`refuse`, `fail_after`, `truncate_after`, `delay`) reproduce the engine's
+refusals, failures and slow streams. Every generate() call and every cancel
+is recorded for assertions.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import random
+from dataclasses import dataclass, field
+from typing import Any, AsyncIterator
+
+from strata.engine.config import EngineConfig
+from strata.engine.types import FinishReason, SamplingParams, StreamEvent, TokenLogprob
+
+BOS, EOS = 1, 2
+OFFSET = 10  # ids below are special
+WORDS = ["alpha", "bravo", "charlie", "delta", "echo", "foxtrot", "golf", "hotel", "india", "juliet"]
+
+
+class FakeTokenizer:
+    chat_template = "fake"
+    stop_token_ids = [EOS]
+    vocab_size = 0x110000 + OFFSET
+
+    def __init__(self) -> None:
+        self.template_calls: list[dict[str, Any]] = []
+
+    def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
+        return ([BOS] if add_special_tokens else []) + [ord(c) + OFFSET for c in text]
+
+    def decode(self, ids: list[int]) -> str:
+        return "".join(chr(i - OFFSET) for i in ids if i >= OFFSET)
+
+    def token_text(self, token_id: int) -> str:
+        return self.decode([token_id])
+
+    def apply_chat_template(
+        self, messages: list[dict[str, Any]], add_generation_prompt: bool = True,
+        tools: Any = None, **template_kwargs: Any,
+    ) -> str:
+        self.template_calls.append({"messages": messages, "kwargs": template_kwargs})
+        if any(m.get("content") == "BREAK THE TEMPLATE" for m in messages):
+            raise ValueError("Conversation roles must alternate user/assistant")
+        text = "".join(f"<|{m['role']}|>{m['content']}\n" for m in messages)
+        if add_generation_prompt:
+            text += "<|assistant|>"
+            if template_kwargs.get("enable_thinking") is True:
+                text += "<think>"
+        return text
+
+
+def reply_for(prompt: str, params: SamplingParams) -> str:
+    """The whole text this fake model would write (before stop strings and limits)."""
+    last_user = prompt.rsplit("<|user|>", 1)[-1].split("\n", 1)[0] if "<|user|>" in prompt else prompt
+    if params.greedy:
+        answer = f"You said: {last_user}."
+    else:
+        rng = random.Random(f"{params.seed}|{params.temperature}|{last_user}")
+        answer = " ".join(rng.choice(WORDS) for _ in range(8)) + "."
+    if "LONG" in last_user:
+        answer = " ".join(WORDS * 6)
+    if prompt.endswith("<think>"):
+        return f"Thinking about {last_user}.</think>\n\n{answer}"
+    if "MARKS THINKING" in last_user:
+        return f"<think>I mark my own thoughts.</think>\n{answer}"
+    return answer
+
+
+@dataclass
+class FakeHandle:
+    engine: "FakeEngine"
+    prompt_ids: list[int]
+    params: SamplingParams
+    cancelled: bool = False
+    events_sent: int = field(default=0)
+
+    def cancel(self) -> None:
+        if not self.cancelled:
+            self.cancelled = True
+            self.engine.cancels.append(self)
+
+    async def __aiter__(self) -> AsyncIterator[StreamEvent]:
+        eng, p = self.engine, self.params
+        if eng.refuse is not None:
+            eng.refusals += 1
+            raise eng.refuse
+        prompt = eng.tokenizer.decode(self.prompt_ids)
+        cached = max((_common(self.prompt_ids, old) for old in eng.seen), default=0)
+        eng.seen.append(list(self.prompt_ids))
+        if cached:
+            eng.prefix_reuse_hits += 1
+        full = reply_for(prompt, p) if eng.reply is None else eng.reply
+        lane = eng.take_lane(self)
+        try:
+            async for ev in self._run(full, cached):
+                yield ev
+        finally:
+            eng.release_lane(lane)
+
+    async def _run(self, full: str, cached: int) -> AsyncIterator[StreamEvent]:
+        eng, p = self.engine, self.params
+        out = ""  # generated text, stop strings not yet ruled out included
+        sent = 0  # characters of `out` already published
+        n = 0
+        for ch in full:
+            if eng.delay:
+                await asyncio.sleep(eng.delay)
+            else:
+                await asyncio.sleep(0)
+            if self.cancelled:
+                yield self._event("", [], n, cached, FinishReason.CANCELLED)
+                return
+            if eng.fail_after is not None and n >= eng.fail_after:
+                raise RuntimeError("fake engine exploded")
+            n += 1
+            out += ch
+            tid = ord(ch) + OFFSET
+            lps = [self._logprob(tid)] if p.logprobs is not None else []
+            hit = _first_stop(out, p.stop)
+            if hit is not None:
+                cut, stop = hit
+                yield self._event(out[sent:cut], [tid], n, cached, FinishReason.STOP, lps, stop=stop)
+                return
+            if eng.truncate_after is not None and n >= eng.truncate_after:
+                eng.truncations += 1
+                yield self._event(out[sent:], [tid], n, cached, FinishReason.LENGTH, lps, truncated=True)
+                return
+            if n >= p.max_tokens:
+                yield self._event(out[sent:], [tid], n, cached, FinishReason.LENGTH, lps)
+                return
+            safe = len(out) - _held(out, p.stop)
+            yield self._event(out[sent:safe], [tid], n, cached, None, lps)
+            sent = safe
+        yield self._event(out[sent:], [EOS], n + 1, cached, FinishReason.STOP)
+
+    def _logprob(self, tid: int) -> TokenLogprob:
+        text = self.engine.tokenizer.token_text(tid)
+        alternatives = [(tid, text, -0.25), (OFFSET + ord("?"), "?", -1.5), (OFFSET + ord("!"), "!", -2.5)]
+        return TokenLogprob(tid, text, -0.25, alternatives[: self.params.logprobs or 0])
+
+    def _event(self, text: str, ids: list[int], n: int, cached: int, finish: FinishReason | None,
+               lps: list[TokenLogprob] | None = None, stop: str | None = None,
+               truncated: bool = False) -> StreamEvent:
+        self.events_sent += 1
+        return StreamEvent(text=text, token_ids=ids, finish_reason=finish, truncated=truncated,
+                           prompt_tokens=len(self.prompt_ids), completion_tokens=n, cached_tokens=cached,
+                           logprobs=lps or [], stop_string=stop)
+
+
+def _common(a: list[int], b: list[int]) -> int:
+    i = 0
+    while i < min(len(a), len(b)) and a[i] == b[i]:
+        i += 1
+    return i
+
+
+def _first_stop(text: str, stops: list[str]) -> tuple[int, str] | None:
+    hits = [(text.find(s), s) for s in stops if s in text]
+    return min(hits) if hits else None
+
+
+def _held(text: str, stops: list[str]) -> int:
+    """Characters at the end of `text` that could still start a stop string."""
+    held = 0
+    for s in stops:
+        for k in range(min(len(s) - 1, len(text)), 0, -1):
+            if text.endswith(s[:k]):
+                held = max(held, k)
+                break
+    return held
+
+
+class FakeEngine:
+    """Implements generate/stats/close/tokenizer/config/model_name like strata.engine.Engine."""
+
+    def __init__(self, max_context: int = 256, lanes: int = 2) -> None:
+        self._max_context = max_context
+        self.config = EngineConfig(max_context=max_context, parallel=lanes)
+        self.model_name = "fake-model"
+        self.tokenizer = FakeTokenizer()
+        self.closed = False
+        self.reset()
+
+    def reset(self) -> None:
+        """Back to defaults between tests (the server outlives one test)."""
+        self.config.max_context = self._max_context
+        self.refuse: Exception | None = None
+        self.fail_after: int | None = None
+        self.truncate_after: int | None = None
+        self.delay = 0.0
+        self.reply: str | None = None
+        self.calls: list[tuple[list[int], SamplingParams]] = []
+        self.cancels: list[FakeHandle] = []
+        self.seen: list[list[int]] = []
+        self.lanes: dict[int, FakeHandle | None] = {i: None for i in range(self.config.parallel)}
+        self.prefix_reuse_hits = 0
+        self.refusals = 0
+        self.truncations = 0
+        self.tokenizer.template_calls.clear()
+
+    def generate(self, prompt_ids: list[int], params: SamplingParams) -> FakeHandle:
+        self.calls.append((list(prompt_ids), params))
+        return FakeHandle(self, list(prompt_ids), params)
+
+    def take_lane(self, handle: FakeHandle) -> int:
+        free = [i for i, h in self.lanes.items() if h is None]
+        lane = free[0] if free else max(self.lanes) + 1
+        self.lanes[lane] = handle
+        return lane
+
+    def release_lane(self, lane: int) -> None:
+        self.lanes[lane] = None
+
+    def stats(self) -> dict[str, Any]:
+        busy = [h for h in self.lanes.values() if h is not None]
+        used = sum(len(h.prompt_ids) + h.events_sent for h in busy)
+        return {
+            "pool_cells_total": 4096,
+            "pool_cells_used": used,
+            "pool_cells_free": 4096 - used,
+            "chunks_per_session": {i: (1 if h is not None else 0) for i, h in self.lanes.items()},
+            "lanes_busy": len(busy),
+            "lanes_idle": len(self.lanes) - len(busy),
+            "queue_length": 0,
+            "prefix_reuse_hits": self.prefix_reuse_hits,
+            "prefix_tokens_reused": 0,
+            "refusals": self.refusals,
+            "truncations": self.truncations,
+            "kv_format": "bf16",
+            "pool_shared": True,
+        }
+
+    def close(self) -> None:
+        self.closed = True

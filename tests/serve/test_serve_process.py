@@ -1,0 +1,60 @@
+"""The `strata serve` process: background load behind /health, logging, signals, exit status."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+
+from conftest import free_port
+
+FAKE_SERVER = Path(__file__).with_name("fake_server.py")
+
+
+def start(port: int, **env: str) -> subprocess.Popen[str]:
+    return subprocess.Popen(
+        [sys.executable, str(FAKE_SERVER), "--port", str(port), "--max-context", "512", "--parallel", "3"],
+        env={**os.environ, **env}, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+    )
+
+
+def test_health_loading_then_serving_then_clean_sigterm() -> None:
+    port = free_port()
+    proc = start(port, FAKE_LOAD_S="1.5")
+    url = f"http://127.0.0.1:{port}"
+    try:
+        statuses = []
+        deadline = time.monotonic() + 20
+        while time.monotonic() < deadline:
+            try:
+                r = httpx.get(f"{url}/health", timeout=1)
+                statuses.append(r.json()["status"])
+                if r.status_code == 200:
+                    break
+            except httpx.TransportError:
+                pass
+            time.sleep(0.05)
+        assert statuses[0] == "loading" and statuses[-1] == "ok"
+        state = httpx.get(f"{url}/v1/state").json()
+        assert state["max_context"] == 512 and len(state["stats"]["chunks_per_session"]) == 3
+        r = httpx.post(f"{url}/v1/chat/completions",
+                       json={"model": "m", "messages": [{"role": "user", "content": "hi"}]})
+        assert r.status_code == 200
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        out, _ = proc.communicate(timeout=20)
+    assert proc.returncode == 0, out
+    assert "POST /v1/chat/completions 200" in out
+    assert "fake engine closed" in out
+
+
+def test_load_failure_exits_1_with_the_reason() -> None:
+    proc = start(free_port(), FAKE_LOAD_FAIL="1")
+    out, _ = proc.communicate(timeout=30)
+    assert proc.returncode == 1, out
+    assert "could not load the model" in out and "not a GGUF file" in out
