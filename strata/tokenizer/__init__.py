@@ -1,4 +1,4 @@
-"""Tokenizers from GGUF metadata or Hugging Face folders, chat templates, streaming detokenization."""
+"""Tokenizers from GGUF metadata or Hugging Face folders, chat templates, streaming text."""
 
 from strata.tokenizer.chat_template import render_chat_template
 from strata.tokenizer.detokenizer import IncrementalDetokenizer

@@ -122,14 +122,16 @@ def render_chat_template(
         raise BadRequest(str(exc), param="messages") from None
     except (TypeError, ValueError, KeyError, IndexError, AttributeError, ArithmeticError) as exc:
         # The template did something the messages do not support (e.g. added a list to a string).
-        raise BadRequest(f"chat template failed on these messages: {exc}", param="messages") from None
+        problem = f"chat template failed on these messages: {exc}"
+        raise BadRequest(problem, param="messages") from None
 
 
 def _message(message: Any) -> dict[str, Any]:
     """A message as plain data, without None fields (templates test for missing keys, not None)."""
     plain = _plain(message)
     if not isinstance(plain, dict):
-        raise BadRequest(f"a chat message must be an object, got {type(message).__name__}", "messages")
+        got = type(message).__name__
+        raise BadRequest(f"a chat message must be an object, got {got}", "messages")
     plain = {k: v for k, v in plain.items() if v is not None}
     reasoning = next((plain[k] for k in _REASONING_FIELDS if k in plain), None)
     if reasoning is not None:
@@ -138,7 +140,7 @@ def _message(message: Any) -> dict[str, Any]:
 
 
 def _plain(value: Any) -> Any:
-    """Only JSON-like data reaches the sandbox; other objects become a placeholder naming their type."""
+    """Only JSON-like data reaches the sandbox; other objects become "<TypeName>"."""
     if value is None or type(value) in (str, int, float, bool):
         return value
     if isinstance(value, str):  # subclasses (enums, ...) carry methods the sandbox need not see

@@ -33,7 +33,7 @@ class FolderTokenizer:
 
 
 def read_folder(path: Path) -> FolderTokenizer:
-    """The tokenizer files of `path`; ModelLoadError when tokenizer.json is missing or unreadable."""
+    """The tokenizer files of `path`; ModelLoadError when tokenizer.json is missing or bad."""
     tokenizer_file = path / "tokenizer.json"
     if not tokenizer_file.is_file():
         raise ModelLoadError(str(path), "no tokenizer.json in the model folder")
@@ -80,7 +80,7 @@ def _token_string(value: Any) -> str | None:
 
 
 def _chat_templates(path: Path, config: dict[str, Any]) -> dict[str, str]:
-    """Named templates; "default" is the one used without tools. Separate files win over the config."""
+    """Named templates ("default" serves requests without tools); files win over the config."""
     templates: dict[str, str] = {}
     in_config = config.get("chat_template")
     if isinstance(in_config, str):

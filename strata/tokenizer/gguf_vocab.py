@@ -8,7 +8,6 @@ the `tokenizers` library.
 
 from __future__ import annotations
 
-import re
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -24,7 +23,6 @@ from strata.tokenizer.pretokenizers import byte_level_cut
 NORMAL, UNKNOWN, CONTROL, USER_DEFINED, UNUSED, BYTE = 1, 2, 3, 4, 5, 6
 
 SPACE_MARK = "\u2581"  # SentencePiece's visible space
-_BYTE_TOKEN = re.compile(r"<0x[0-9A-Fa-f]{2}>")
 
 
 @dataclass
@@ -133,8 +131,8 @@ def _byte_level_backend(
     # Normal tokens stored as raw text are respelled in the byte alphabet; control
     # and user-defined tokens keep their text, because they are matched whole.
     keys = [
-        t if types[i] in (CONTROL, USER_DEFINED) or byte_level.is_spelled(t) else byte_level.spell(t)
-        for i, t in enumerate(tokens)
+        t if ty in (CONTROL, USER_DEFINED) or byte_level.is_spelled(t) else byte_level.spell(t)
+        for t, ty in zip(tokens, types)
     ]
     merges = _merges(metadata)
     if merges is None:
@@ -158,8 +156,11 @@ def _sentencepiece_backend(
     vocab = _vocab(tokens)
     merges = _merges(metadata)
     if merges is None:
-        scores = metadata.get("tokenizer.ggml.scores")
-        scores = [float(s) for s in scores] if scores is not None else [-float(i) for i in range(len(tokens))]
+        raw = metadata.get("tokenizer.ggml.scores")
+        # Without scores, earlier tokens win, as in vocabularies ordered by merge.
+        scores = (
+            [float(s) for s in raw] if raw is not None else [-float(i) for i in range(len(tokens))]
+        )
         merges = merges_from_scores(tokens, types, scores, vocab)
     unk = tokens[special_ids["unk"]] if "unk" in special_ids else None
     backend = Backend(
@@ -172,8 +173,9 @@ def _sentencepiece_backend(
         )
     )
     add_space_prefix = bool(metadata.get("tokenizer.ggml.add_space_prefix", True))
-    # A space prefix on every stretch of text, including after special tokens, as
-    # SentencePiece and llama.cpp do; the decoder takes the first one off again.
+    # A space prefix on every stretch of text between whole tokens, as llama.cpp
+    # does (SentencePiece itself adds it at the start of the text, and also keeps
+    # it before text that starts with a space); the decoder takes the first off.
     to_marks = normalizers.Replace(" ", SPACE_MARK)
     backend.normalizer = (
         normalizers.Sequence([normalizers.Prepend(SPACE_MARK), to_marks])

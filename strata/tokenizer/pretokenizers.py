@@ -92,9 +92,6 @@ _CUTS = {
     **dict.fromkeys(["gpt-4o", "llama4"], lambda: _split(GPT4O_SPLIT)),
 }
 
-SUPPORTED_PRE = tuple(sorted(_CUTS))
-
-
 def byte_level_cut(pre: str | None, source: str) -> ByteLevelCut:
     """The cut for `tokenizer.ggml.pre`; GPT-2's, with a warning, for a name not known here."""
     name = pre or "default"

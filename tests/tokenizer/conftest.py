@@ -6,19 +6,15 @@ every test module shares one instance.
 
 from __future__ import annotations
 
-import json
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import gguf
 import pytest
-from tokenizers import Tokenizer as Backend
-from tokenizers import models, pre_tokenizers, trainers
 
 from strata.default_model import default_model_path
 from strata.gguf.reader import open_reader, read_metadata
 from strata.tokenizer import Tokenizer
+from tiny_spm import SpmVocab, build_spm_vocab
 
 
 @pytest.fixture(scope="session")
@@ -44,106 +40,9 @@ def hf_smol(smol_path: Path) -> Any:
     return AutoTokenizer.from_pretrained(str(smol_path.parent), gguf_file=smol_path.name)
 
 
-# -- a small SentencePiece-style ("llama") vocabulary ------------------------------
-
-SPM_CORPUS = [
-    "The quick brown fox jumps over the lazy dog.",
-    "Hello world, hello there! How are you today?",
-    "Tokenizers split text into pieces; the pieces become ids.",
-    "Numbers like 42 and 1999 appear in text too.",
-    "def main():\n    return 0\n",
-    "Café naïve résumé, the end.",
-]
-SPM_CONTROL = ["<|user|>", "<|assistant|>"]
-SPM_USER_DEFINED = ["<think>"]
-SPM_TEMPLATE = (
-    "{{ bos_token }}{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}{{ eos_token }}"
-    "{% endfor %}{% if add_generation_prompt %}<|assistant|>{% endif %}"
-)
-
-
-@dataclass
-class SpmVocab:
-    """A llama-type vocabulary as GGUF fields, and the GGUF file written from them."""
-
-    metadata: dict[str, Any]
-    path: Path
-
-    @property
-    def tokens(self) -> list[str]:
-        return self.metadata["tokenizer.ggml.tokens"]
-
-    @property
-    def scores(self) -> list[float]:
-        return self.metadata["tokenizer.ggml.scores"]
-
-    @property
-    def types(self) -> list[int]:
-        return self.metadata["tokenizer.ggml.token_type"]
-
-
-def _train_pieces() -> tuple[list[str], dict[str, int]]:
-    """Pieces learned by BPE over ▁-marked words, and the merge rank that made each."""
-    trainer_model = Backend(models.BPE(unk_token="<unk>"))
-    trainer_model.pre_tokenizer = pre_tokenizers.Metaspace(replacement="\u2581", prepend_scheme="always")
-    trainer = trainers.BpeTrainer(vocab_size=220, special_tokens=["<unk>"], show_progress=False)
-    trainer_model.train_from_iterator(SPM_CORPUS * 4, trainer)
-    model = json.loads(trainer_model.to_str())["model"]
-    pieces = [t for t, _ in sorted(model["vocab"].items(), key=lambda kv: kv[1]) if t != "<unk>"]
-    ranks = {"".join(m): i for i, m in enumerate(model["merges"])}
-    return pieces, ranks
-
-
 @pytest.fixture(scope="session")
 def spm_vocab(tmp_path_factory: pytest.TempPathFactory) -> SpmVocab:
-    """<unk> <s> </s>, 256 byte tokens, control and user-defined tokens, then learned pieces.
-
-    A piece's score is minus the rank of the merge that made it (single characters
-    score lowest), which is how SentencePiece BPE models rank their pieces.
-    """
-    pieces, ranks = _train_pieces()
-    tokens = ["<unk>", "<s>", "</s>"] + [f"<0x{b:02X}>" for b in range(256)]
-    types = [2, 3, 3] + [6] * 256
-    tokens += SPM_CONTROL + SPM_USER_DEFINED
-    types += [3] * len(SPM_CONTROL) + [4] * len(SPM_USER_DEFINED)
-    scores = [0.0] * len(tokens)
-    tokens += pieces
-    types += [1] * len(pieces)
-    scores += [-float(ranks[p]) if p in ranks else -1e6 for p in pieces]
-    fields = {
-        "tokenizer.ggml.model": "llama",
-        "tokenizer.ggml.tokens": tokens,
-        "tokenizer.ggml.scores": scores,
-        "tokenizer.ggml.token_type": types,
-        "tokenizer.ggml.bos_token_id": 1,
-        "tokenizer.ggml.eos_token_id": 2,
-        "tokenizer.ggml.unknown_token_id": 0,
-        "tokenizer.ggml.add_bos_token": True,
-        "tokenizer.ggml.add_space_prefix": True,
-        "tokenizer.chat_template": SPM_TEMPLATE,
-    }
-    path = tmp_path_factory.mktemp("spm") / "spm.gguf"
-    _write_gguf(path, fields)
-    metadata = read_metadata(path, open_reader(path))
-    return SpmVocab(metadata, path)
-
-
-def _write_gguf(path: Path, fields: dict[str, Any]) -> None:
-    """A GGUF holding only metadata: enough for any tokenizer loader."""
-    writer = gguf.GGUFWriter(str(path), "llama")
-    for key, value in fields.items():
-        if isinstance(value, bool):
-            writer.add_bool(key, value)
-        elif isinstance(value, int):
-            writer.add_uint32(key, value)
-        elif isinstance(value, str):
-            writer.add_string(key, value)
-        else:
-            writer.add_array(key, value)
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
+    return build_spm_vocab(tmp_path_factory.mktemp("spm"))
 
 
 @pytest.fixture(scope="session")

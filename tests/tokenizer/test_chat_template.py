@@ -39,7 +39,9 @@ RICH_TEMPLATE = """{{ bos_token }}
     {% set ns.turns = ns.turns + 1 %}
     {% if message['role'] == 'user' %}{% set ns.last_user = message['content'] %}{% endif %}
 <|{{ message['role'] }}|>
-    {%- if message.reasoning_content is defined %}<think>{{ message.reasoning_content }}</think>{% endif %}
+    {%- if message.reasoning_content is defined %}
+<think>{{ message.reasoning_content }}</think>
+    {%- endif %}
 {{ message['content'] | trim }}
     {%- if message.tool_calls is defined %} calls={{ message.tool_calls | tojson }}{% endif %}
 {{ eos_token }}
@@ -98,7 +100,9 @@ def test_rich_template_matches_transformers(smol: Tokenizer, hf_smol: Any, kwarg
         {"role": "assistant", "content": "never shown"},
         {"role": "user", "content": None, "name": None},
     ]
-    theirs = hf_smol.apply_chat_template(messages, chat_template=RICH_TEMPLATE, tokenize=False, **kwargs)
+    theirs = hf_smol.apply_chat_template(
+        messages, chat_template=RICH_TEMPLATE, tokenize=False, **kwargs
+    )
     ours = render_chat_template(
         RICH_TEMPLATE, messages, bos_token=smol.bos_token, eos_token=smol.eos_token,
         unk_token="<|endoftext|>", pad_token="<|im_end|>", **kwargs,
@@ -111,12 +115,16 @@ def test_template_kwargs_reach_the_template(smol: Tokenizer) -> None:
     template = "{{ greeting }} {{ bos_token }}{% if add_generation_prompt %}!{% endif %}"
     tok = _with_template(smol, template)
     assert tok.apply_chat_template([], greeting="hi") == "hi <|im_start|>!"
-    assert tok.apply_chat_template([], add_generation_prompt=False, greeting="yo") == "yo <|im_start|>"
+    plain = tok.apply_chat_template([], add_generation_prompt=False, greeting="yo")
+    assert plain == "yo <|im_start|>"
     assert tok.apply_chat_template([], greeting="x", bos_token="B") == "x B!"
 
 
 def test_raise_exception_becomes_bad_request() -> None:
-    template = "{% if messages[0]['role'] != 'user' %}{{ raise_exception('Conversation must start with user') }}{% endif %}ok"
+    template = (
+        "{% if messages[0]['role'] != 'user' %}"
+        "{{ raise_exception('Conversation must start with user') }}{% endif %}ok"
+    )
     with pytest.raises(BadRequest) as err:
         render_chat_template(template, [{"role": "assistant", "content": "x"}])
     assert str(err.value) == "Conversation must start with user"

@@ -60,7 +60,8 @@ def test_stop_ids_hold_end_of_turn(smol: Tokenizer) -> None:
 @pytest.mark.parametrize("text", TEXTS)
 def test_encode_matches_transformers(smol: Tokenizer, hf_smol: Any, text: str) -> None:
     assert smol.encode(text) == hf_smol.encode(text, add_special_tokens=False)
-    assert smol.encode(text, add_special_tokens=True) == hf_smol.encode(text, add_special_tokens=True)
+    with_bos = smol.encode(text, add_special_tokens=True)
+    assert with_bos == hf_smol.encode(text, add_special_tokens=True)
 
 
 @pytest.mark.parametrize("text", TEXTS)
@@ -155,7 +156,8 @@ def test_bad_metadata_names_the_problem(smol_metadata: dict[str, Any]) -> None:
     with pytest.raises(ModelLoadError, match="no tokenizer.ggml.tokens"):
         Tokenizer.from_gguf_metadata({"tokenizer.ggml.model": "gpt2"}, "m.gguf")
     with pytest.raises(ModelLoadError, match="outside the 49152-token vocabulary"):
-        Tokenizer.from_gguf_metadata({**smol_metadata, "tokenizer.ggml.eos_token_id": 50000}, "m.gguf")
+        bad_eos = {**smol_metadata, "tokenizer.ggml.eos_token_id": 50000}
+        Tokenizer.from_gguf_metadata(bad_eos, "m.gguf")
     no_merges = {k: v for k, v in smol_metadata.items() if k != "tokenizer.ggml.merges"}
     with pytest.raises(ModelLoadError, match="m.gguf: .*merges"):
         Tokenizer.from_gguf_metadata(no_merges, "m.gguf")
