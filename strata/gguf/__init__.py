@@ -1,1 +1,6 @@
-"""gguf"""
+"""GGUF files: metadata, tensor layout, and dequantization in vectorized torch."""
+
+from strata.gguf.dequant import SUPPORTED_TYPES, dequantize
+from strata.gguf.file import GGUFFile, TensorInfo
+
+__all__ = ["GGUFFile", "SUPPORTED_TYPES", "TensorInfo", "dequantize"]
