@@ -42,24 +42,32 @@ def as_api_error(exc: Exception) -> ApiError:
     return ApiError(500, f"internal error: {type(exc).__name__}: {exc}", code="internal_error")
 
 
+def tokenizer_of(engine: Any) -> Any:
+    """The engine's tokenizer; its absence is the server's problem, not the client's."""
+    tokenizer = getattr(engine, "tokenizer", None)
+    if tokenizer is None:
+        raise ApiError(500, "the loaded model has no tokenizer, so text requests cannot be served",
+                       code="no_tokenizer")
+    return tokenizer
+
+
 async def render_chat(engine: Any, messages: list[dict[str, Any]], template_kwargs: dict[str, Any]) -> str:
     """The chat template applied off the event loop; a template's complaint is the client's 400."""
+    tokenizer = tokenizer_of(engine)
 
     def render() -> str:
-        return engine.tokenizer.apply_chat_template(messages, add_generation_prompt=True, **template_kwargs)
+        return tokenizer.apply_chat_template(messages, add_generation_prompt=True, **template_kwargs)
 
     try:
         return await run_in_threadpool(render)
     except StrataError as exc:  # the tokenizer's BadRequest: raise_exception, no template, ...
         raise as_api_error(exc) from None
-    except TypeError as exc:  # e.g. chat_template_kwargs naming one of the template's own arguments
+    except TypeError as exc:  # chat_template_kwargs naming one of the template's own arguments
         raise ApiError(400, f"chat_template_kwargs not accepted: {exc}", param="chat_template_kwargs") from None
-    except Exception as exc:  # any other template failure is about these messages, not the server
-        raise ApiError(400, f"the chat template refused these messages: {exc}", param="messages") from None
 
 
 async def encode(engine: Any, text: str, *, add_special_tokens: bool) -> list[int]:
-    return await run_in_threadpool(engine.tokenizer.encode, text, add_special_tokens=add_special_tokens)
+    return await run_in_threadpool(tokenizer_of(engine).encode, text, add_special_tokens=add_special_tokens)
 
 
 def fit_max_tokens(prompt_len: int, max_tokens: int | None, max_context: int, field: str) -> int:

@@ -16,6 +16,7 @@ from typing import Any, AsyncIterator
 
 from strata.engine.config import EngineConfig
 from strata.engine.types import FinishReason, SamplingParams, StreamEvent, TokenLogprob
+from strata.errors import BadRequest
 
 BOS, EOS = 1, 2
 OFFSET = 10  # ids below are special
@@ -45,7 +46,7 @@ class FakeTokenizer:
     ) -> str:
         self.template_calls.append({"messages": messages, "kwargs": template_kwargs})
         if any(m.get("content") == "BREAK THE TEMPLATE" for m in messages):
-            raise ValueError("Conversation roles must alternate user/assistant")
+            raise BadRequest("Conversation roles must alternate user/assistant", "messages")
         text = "".join(f"<|{m['role']}|>{m['content']}\n" for m in messages)
         if add_generation_prompt:
             text += "<|assistant|>"

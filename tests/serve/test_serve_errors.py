@@ -228,3 +228,12 @@ def test_loading_engine_answers_503_until_attached() -> None:
         attach_engine(app, FakeEngine())
         assert c.get("/health").json() == {"status": "ok", "model": "fake-model"}
         assert c.post(CHAT, json={"model": "m", "messages": USER}).status_code == 200
+
+
+def test_engine_without_tokenizer_is_a_server_error(http: httpx.Client, engine: FakeEngine,
+                                                    monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(engine, "tokenizer", None)
+    err = oai_error(http.post(CHAT, json={"model": "m", "messages": USER}), 500)
+    assert err["code"] == "no_tokenizer"
+    assert "no tokenizer" in claude_error(http.post(MSGS, json={"model": "m", "messages": USER, "max_tokens": 5}),
+                                          500, "api_error")
