@@ -15,6 +15,8 @@ from typing import Any
 import torch
 
 from strata.engine.config import EngineConfig
+from strata.engine.conversation_cache import ConversationCache
+from strata.engine.parking import Parking
 from strata.engine.request import Request, RequestHandle
 from strata.engine.runner import Runner
 from strata.engine.sampling import make_generator, sample
@@ -51,6 +53,11 @@ class Engine:
                            min(config.kv_chunk, config.max_context), config.kv_pool_tokens,
                            self.device, pin=False)
         self.scheduler = Scheduler(self.pool, config.parallel, config.prefill_chunk)
+        self.conversations: ConversationCache | None = None
+        if config.conversation_cache_mib > 0:
+            self.conversations = ConversationCache(config.conversation_cache_mib << 20,
+                                                   config.conversation_cache_slots)
+            self.scheduler.parking = Parking(self.pool, self.conversations)
         self.runner = Runner(self.loaded.model, self.pool, mc.num_heads, mc.attn_scale,
                              self.dtype, self.device)
         self.stop_ids = set(self.tokenizer.stop_token_ids) if self.tokenizer else set(mc.eos_token_ids)
@@ -115,6 +122,10 @@ class Engine:
             "evictions": c.evictions,
             "moves": c.moves,
             "steps": self.steps,
+            "conversation_parks": c.parks,
+            "conversation_restores": c.restores,
+            "conversation_tokens_restored": c.restored_tokens,
+            "conversation_cache": self.conversations.stats().as_dict() if self.conversations else None,
         }
 
     def close(self) -> None:
@@ -201,7 +212,7 @@ class Engine:
             except StrataError as e:
                 req.handle.fail(e)
                 continue
-            req.detok = IncrementalDetokenizer(self.tokenizer)
+            req.detok = IncrementalDetokenizer(self.tokenizer, req.prompt)
             req.stopper = StopMatcher(req.params.stop)
 
     def _postprocess(self, step: Any, logits: torch.Tensor) -> None:

@@ -38,6 +38,9 @@ class Counters:
     truncations: int = 0
     evictions: int = 0
     moves: int = 0
+    parks: int = 0
+    restores: int = 0
+    restored_tokens: int = 0
 
 
 @dataclass
@@ -64,6 +67,7 @@ class Scheduler:
         self.retry_after = retry_after
         self.waiting: deque[Request] = deque()
         self.counters = Counters()
+        self.parking = None  # engine.parking.Parking when the conversation cache is on
 
     # ---- admission ----------------------------------------------------------
     def free_lanes(self) -> list[Lane]:
@@ -107,18 +111,30 @@ class Scheduler:
         return self.pool.reserve(lane.index, n_tokens)
 
     def drop_cache(self, lane: Lane) -> None:
-        """An idle lane gives its cached conversation's chunks back."""
-        lane.tokens = []
-        self.pool.release(lane.index)
+        """An idle lane gives its cached conversation's chunks back (parked first, if on)."""
+        self.give_way(lane, 0)
         self.counters.evictions += 1
+
+    def give_way(self, lane: Lane, keep: int) -> None:
+        """The lane keeps only its first `keep` tokens; the whole conversation is parked first."""
+        if not lane.tokens[keep:]:
+            return
+        if self.parking is not None and len(lane.tokens) - keep > 1 and self.parking.park(lane):
+            self.counters.parks += 1
+        lane.tokens = lane.tokens[:keep]
+        self.pool.release(lane.index, keep_tokens=keep)
 
     def admit(self, req: Request) -> Lane:
         """Put `req` in a lane, reusing a cached prefix; raise KvPoolFull if no room."""
         lane, m = self.pick_lane(req.prompt)
-        if lane.tokens[m:]:
-            # the lane's conversation diverges at m: keep only the shared prefix
-            lane.tokens = lane.tokens[:m]
-            self.pool.release(lane.index, keep_tokens=m)
+        hit = self.parking.find(req.prompt) if self.parking is not None else None
+        if hit is not None and hit[1] > m:
+            # a parked conversation shares more: the lane's own gives way entirely
+            self.give_way(lane, 0)
+            m = 0
+        else:
+            hit = None
+            self.give_way(lane, m)  # the lane's conversation diverges at m
         if not self.make_room(lane, len(req.prompt)):
             self.counters.refusals += 1
             raise KvPoolFull(
@@ -127,7 +143,14 @@ class Scheduler:
                 f"{self.pool.free_chunks} free and no idle conversation left to evict",
                 retry_after=self.retry_after,
             )
-        if m:
+        if hit is not None and hit[0] not in self.parking.cache.entry_ids():  # type: ignore[union-attr]
+            hit = None  # parking displaced conversations on the way evicted it
+        if hit is not None:
+            self.parking.restore(lane, hit[0], hit[1])  # type: ignore[union-attr]
+            m = hit[1]
+            self.counters.restores += 1
+            self.counters.restored_tokens += m
+        elif m:
             self.counters.prefix_reuse_hits += 1
             self.counters.prefix_tokens_reused += m
         req.cursor = m

@@ -169,6 +169,21 @@ class KvPool:
             return self.store.read(layer, cells, dtype)
         return self.fmt.read(self.layers[layer], cells, dtype)
 
+    def export_cells(self, layer: int, cells: torch.Tensor) -> Storage:
+        """The raw runs (format bytes, no dequantization) of `cells` of one layer, on the CPU."""
+        st = self.layers[layer]
+        idx = cells.to(self.device)
+        return {name: t[idx].cpu() for name, t in st.items()}
+
+    def import_cells(self, layer: int, cells: torch.Tensor, runs: Storage) -> None:
+        """Write raw runs (as `export_cells` returns them) into `cells` of one layer."""
+        st = self.layers[layer]
+        idx = cells.to(self.device)
+        for name, t in st.items():
+            t.index_copy_(0, idx, runs[name].to(t.device))
+        if self.store is not None and hasattr(self.store, "invalidate"):
+            self.store.invalidate(cells)
+
     # ---- addressing -------------------------------------------------------
     def cells(self, session: int, positions: torch.Tensor) -> torch.Tensor:
         """Cell indices (host, int64) of `positions` of `session`; unreserved ones land in trash."""

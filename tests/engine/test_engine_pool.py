@@ -21,7 +21,12 @@ PROMPTS = [
 
 @pytest.fixture(scope="module")
 def tiny(tiny_model_dir):
-    return load_model(str(tiny_model_dir), device="cpu", dtype="bfloat16", progress=False)
+    loaded = load_model(str(tiny_model_dir), device="cpu", dtype="bfloat16", progress=False)
+    if loaded.tokenizer is None:
+        from strata.tokenizer import Tokenizer
+
+        loaded.tokenizer = Tokenizer.from_folder(tiny_model_dir)
+    return loaded
 
 
 def _engine(loaded, **kw) -> Engine:
