@@ -18,10 +18,6 @@ import threading
 from collections.abc import Iterator
 from typing import Any
 
-import uvicorn
-
-from strata.serve.app import attach_engine, build_app
-
 log = logging.getLogger("strata.serve")
 
 LOG_LEVELS = ["debug", "info", "warning", "error", "critical"]
@@ -53,8 +49,11 @@ def _configure_logging(level: str) -> None:
 
 def run_server(args: argparse.Namespace) -> int:
     """Serve until SIGINT/SIGTERM; the exit status (1 when the model could not load)."""
+    import uvicorn
+
     from strata.engine import Engine  # the engine package is heavy; import it only to serve
     from strata.engine.config import config_from_args
+    from strata.serve.app import attach_engine, build_app
 
     _configure_logging(args.log_level)
     config = config_from_args(args)

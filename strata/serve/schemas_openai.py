@@ -73,7 +73,7 @@ class SamplingFields(_Strict):
     repetition_penalty: float | None = Field(None, gt=0.0)
     presence_penalty: float | None = Field(None, ge=-2.0, le=2.0)
     frequency_penalty: float | None = Field(None, ge=-2.0, le=2.0)
-    seed: int | None = None
+    seed: int | None = Field(None, ge=-(2**63), le=2**64 - 1)  # what a torch generator accepts
     stop: str | list[str] | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
