@@ -28,6 +28,7 @@ class EngineConfig:
     session_dir: str | None = None  # where session files may live; None = session files off
     threads: int | None = None  # CPU threads for torch; None = torch's default
     seed: int = 0  # base seed for sampling without a per-request seed
+    prefix_reuse: bool = True  # reuse cached conversations' K/V (off: every prompt read from 0)
 
 
 def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
@@ -59,6 +60,8 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--session-dir", default=d.session_dir, help="folder for session files")
     g.add_argument("--threads", "-t", type=int, default=d.threads, help="CPU threads for torch")
     g.add_argument("--seed", type=int, default=d.seed, help="base seed for sampling")
+    g.add_argument("--no-prefix-reuse", dest="prefix_reuse", action="store_false",
+                   help="read every prompt from token 0 (no cached or parked K/V is reused)")
 
 
 def config_from_args(args: argparse.Namespace) -> EngineConfig:

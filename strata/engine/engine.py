@@ -8,9 +8,9 @@ busy lanes, samples, detokenizes and publishes events to the handles.
 from __future__ import annotations
 
 import threading
-import time
 from collections import deque
-from typing import Any
+from concurrent.futures import Future
+from typing import Any, Callable
 
 import torch
 
@@ -21,6 +21,7 @@ from strata.engine.request import Request, RequestHandle
 from strata.engine.runner import Runner
 from strata.engine.sampling import make_generator, sample
 from strata.engine.scheduler import Lane, Scheduler
+from strata.engine.sessions import SessionFiles, SessionResult
 from strata.engine.stop import StopMatcher
 from strata.engine.types import FinishReason, SamplingParams, StreamEvent
 from strata.errors import BadRequest, ContextTooLong, QueueFull, StrataError
@@ -52,7 +53,8 @@ class Engine:
         self.pool = KvPool(fmt, mc.num_layers, config.parallel, config.max_context,
                            min(config.kv_chunk, config.max_context), config.kv_pool_tokens,
                            self.device, pin=False)
-        self.scheduler = Scheduler(self.pool, config.parallel, config.prefill_chunk)
+        self.scheduler = Scheduler(self.pool, config.parallel, config.prefill_chunk,
+                                   prefix_reuse=config.prefix_reuse)
         self.conversations: ConversationCache | None = None
         if config.conversation_cache_mib > 0:
             self.conversations = ConversationCache(config.conversation_cache_mib << 20,
@@ -61,7 +63,9 @@ class Engine:
         self.runner = Runner(self.loaded.model, self.pool, mc.num_heads, mc.attn_scale,
                              self.dtype, self.device)
         self.stop_ids = set(self.tokenizer.stop_token_ids) if self.tokenizer else set(mc.eos_token_ids)
+        self.sessions = SessionFiles(self.scheduler, config.session_dir, self.loaded.identity)
         self._inbox: deque[Request] = deque()
+        self._calls: deque[tuple[Callable[[], Any], Future]] = deque()
         self._lock = threading.Lock()
         self._wake = threading.Event()
         self._closed = False
@@ -96,6 +100,25 @@ class Engine:
     def complete(self, prompt_ids: list[int], params: SamplingParams | None = None) -> StreamEvent:
         """Blocking convenience: the whole result as one event."""
         return self.generate(prompt_ids, params).result()
+
+    def call(self, fn: Callable[[], Any]) -> Future:
+        """Run `fn` in the engine loop between steps; its result or error comes in the Future."""
+        fut: Future = Future()
+        with self._lock:
+            if self._closed:
+                fut.set_exception(StrataError("the engine is shut down"))
+                return fut
+            self._calls.append((fn, fut))
+        self._wake.set()
+        return fut
+
+    def save_session(self, lane: int, filename: str) -> SessionResult:
+        """Save lane `lane`'s conversation to `filename` under --session-dir."""
+        return self.call(lambda: self.sessions.save(lane, filename)).result()
+
+    def restore_session(self, lane: int, filename: str) -> SessionResult:
+        """Restore `filename` from --session-dir into idle lane `lane`."""
+        return self.call(lambda: self.sessions.restore(lane, filename)).result()
 
     def stats(self) -> dict[str, Any]:
         sched, pool = self.scheduler, self.pool
@@ -160,9 +183,12 @@ class Engine:
                 closed = self._closed
                 incoming = list(self._inbox)
                 self._inbox.clear()
+                calls = list(self._calls)
+                self._calls.clear()
             if closed:
-                self._shutdown()
+                self._shutdown(calls)
                 return
+            self._run_calls(calls)
             self._enqueue(incoming)
             self._cancel_requested()
             self._admit()
@@ -183,6 +209,14 @@ class Engine:
                         self.scheduler.release_lane(lane, keep_cache=False)
                 raise
             self.steps += 1
+
+    @staticmethod
+    def _run_calls(calls: list[tuple[Callable[[], Any], Future]]) -> None:
+        for fn, fut in calls:
+            try:
+                fut.set_result(fn())
+            except Exception as e:  # reported to the caller, the loop goes on
+                fut.set_exception(e)
 
     def _enqueue(self, incoming: list[Request]) -> None:
         waiting = self.scheduler.waiting
@@ -297,7 +331,9 @@ class Engine:
             cached_tokens=req.cached, logprobs=logprobs or [], stop_string=stop,
         )
 
-    def _shutdown(self) -> None:
+    def _shutdown(self, calls: list[tuple[Callable[[], Any], Future]]) -> None:
+        for _, fut in calls:
+            fut.set_exception(StrataError("the engine is shutting down"))
         for req in list(self.scheduler.waiting):
             req.handle.fail(StrataError("the engine is shutting down"))
         self.scheduler.waiting.clear()

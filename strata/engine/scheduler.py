@@ -60,8 +60,10 @@ def common_prefix(a: list[int], b: list[int]) -> int:
 
 
 class Scheduler:
-    def __init__(self, pool: KvPool, lanes: int, prefill_chunk: int, retry_after: float = 1.0) -> None:
+    def __init__(self, pool: KvPool, lanes: int, prefill_chunk: int, retry_after: float = 1.0,
+                 prefix_reuse: bool = True) -> None:
         self.pool = pool
+        self.prefix_reuse = prefix_reuse
         self.lanes = [Lane(i) for i in range(lanes)]
         self.prefill_chunk = prefill_chunk
         self.retry_after = retry_after
@@ -82,7 +84,7 @@ class Scheduler:
         """
         free = self.free_lanes()
         best, best_m = None, 0
-        for lane in free:
+        for lane in free if self.prefix_reuse else []:
             m = min(common_prefix(lane.tokens, prompt), len(prompt) - 1)
             if m > best_m:
                 best, best_m = lane, m
@@ -127,7 +129,9 @@ class Scheduler:
     def admit(self, req: Request) -> Lane:
         """Put `req` in a lane, reusing a cached prefix; raise KvPoolFull if no room."""
         lane, m = self.pick_lane(req.prompt)
-        hit = self.parking.find(req.prompt) if self.parking is not None else None
+        hit = None
+        if self.parking is not None and self.prefix_reuse:
+            hit = self.parking.find(req.prompt)
         if hit is not None and hit[1] > m:
             # a parked conversation shares more: the lane's own gives way entirely
             self.give_way(lane, 0)

@@ -1,0 +1,95 @@
+"""Session files for lanes: save a lane's conversation, restore one into a lane.
+
+Both run inside the engine loop (between steps), so they never race a
+forward pass. A restore validates the whole file first, then reserves the
+pool chunks it needs (KvPoolFull if they are not there), and only then writes
+a byte; on any error the engine is left as it was.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+from strata.engine.parking import write_runs
+from strata.engine.scheduler import Lane, Scheduler
+from strata.engine.snapshot import load_session, peek_session, resolve_session_path, save_session
+from strata.errors import BadRequest, KvPoolFull, StrataError
+
+
+@dataclass
+class SessionResult:
+    lane: int
+    filename: str
+    n_tokens: int
+    n_bytes: int
+
+
+class SessionFiles:
+    def __init__(self, scheduler: Scheduler, session_dir: str | None, model_identity: str) -> None:
+        self.scheduler = scheduler
+        self.pool = scheduler.pool
+        self.session_dir = session_dir
+        self.identity = model_identity
+
+    def _path(self, filename: str) -> Path:
+        if self.session_dir is None:
+            raise SessionFilesDisabled()
+        return resolve_session_path(self.session_dir, filename)
+
+    def _lane(self, index: int) -> Lane:
+        lanes = self.scheduler.lanes
+        if not 0 <= index < len(lanes):
+            raise BadRequest(f"no lane {index}: lanes are 0..{len(lanes) - 1}", "id_slot")
+        return lanes[index]
+
+    def save(self, lane_index: int, filename: str) -> SessionResult:
+        """Write the conversation the lane holds (idle, or the part read so far) to a file."""
+        path = self._path(filename)
+        lane = self._lane(lane_index)
+        n = len(lane.tokens)
+        if n == 0:
+            raise BadRequest(f"lane {lane_index} holds no conversation to save", "id_slot")
+        cells = self.pool.cells_of_range(lane.index, 0, n)
+        layers = [self.pool.export_cells(layer, cells) for layer in range(len(self.pool.layers))]
+        size = save_session(path, lane.tokens, layers, model_identity=self.identity,
+                            kv_format=self.pool.fmt.name)
+        return SessionResult(lane_index, filename, n, size)
+
+    def restore(self, lane_index: int, filename: str) -> SessionResult:
+        """Read a file into an idle lane, replacing (after parking) its conversation."""
+        path = self._path(filename)
+        lane = self._lane(lane_index)
+        if lane.request is not None:
+            raise BadRequest(f"lane {lane_index} is busy; restore into an idle lane", "id_slot")
+        kw = {"model_identity": self.identity, "kv_format": self.pool.fmt.name}
+        header = peek_session(path, **kw)
+        if header.n_tokens >= self.pool.max_chunks * self.pool.chunk_size:
+            raise BadRequest(f"{filename}: {header.n_tokens} tokens do not fit --max-context", "filename")
+        tokens, layers = load_session(path, **kw)  # everything validated before any change
+        n = header.n_tokens
+        need = self.pool.chunks_for(n)
+        if self.pool.shortfall(lane.index, n) > 0 and not self._room_possible(lane, need):
+            raise KvPoolFull(f"KV pool full: restoring {n} tokens needs {need} chunks",
+                             retry_after=self.scheduler.retry_after)
+        self.scheduler.give_way(lane, 0)
+        if not self.scheduler.make_room(lane, n):
+            raise KvPoolFull(f"KV pool full: restoring {n} tokens needs {need} chunks",
+                             retry_after=self.scheduler.retry_after)
+        write_runs(self.pool, lane.index, layers, n)
+        lane.tokens = tokens.tolist()
+        return SessionResult(lane_index, filename, n, path.stat().st_size)
+
+    def _room_possible(self, lane: Lane, need: int) -> bool:
+        """Could `need` chunks be found for the lane by evicting idle conversations?"""
+        idle = sum(self.pool.reserved[o.index] for o in self.scheduler.lanes
+                   if o.request is None and o is not lane and o.tokens)
+        return self.pool.free_chunks + self.pool.reserved[lane.index] + idle >= need
+
+
+class SessionFilesDisabled(StrataError):
+    """Session files are off: the server answers 501 with this message."""
+
+    def __init__(self) -> None:
+        super().__init__("session files are disabled; start the server with --session-dir DIR "
+                         "to save and restore conversations")
