@@ -1,0 +1,288 @@
+"""GPU throughput of the engine on one GGUF file, as JSON: decode and prompt tokens/s, the limit.
+
+Measures, through `strata.engine.Engine` with the Triton attention over the
+pool: decode tokens/s for several lane counts (each lane reads its own
+prompt, then all decode together), prompt tokens/s for one lane, the
+bandwidth limit of one lane (weight bytes over the measured copy bandwidth),
+and a torch profiler summary of single decode steps, so a missed target
+comes with where the time goes.
+
+    python -m strata.bench.gpu_bench MODEL.gguf --out result.json --profile-out profile.txt
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from typing import Any
+
+import torch
+
+from strata.bench.main import _prompt
+from strata.engine.config import EngineConfig
+from strata.engine.engine import Engine
+from strata.engine.types import SamplingParams
+from strata.kv.attention import SeqSpec
+
+
+def copy_bandwidth(device: torch.device, gib: float = 2.0, reps: int = 20) -> float:
+    """Device-to-device copy bandwidth in bytes/s, counting bytes read plus bytes written."""
+    n = int(gib * 2**30) // 4
+    src = torch.randn(n, device=device)
+    dst = torch.empty_like(src)
+    dst.copy_(src)
+    torch.cuda.synchronize(device)
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(reps):
+        dst.copy_(src)
+    end.record()
+    torch.cuda.synchronize(device)
+    seconds = start.elapsed_time(end) / 1e3 / reps
+    return 2 * n * 4 / seconds
+
+
+def attach_tokenizer(loaded: Any) -> None:
+    """Give a loaded GGUF model its tokenizer when the loader left it out."""
+    if loaded.tokenizer is None and str(loaded.path).endswith(".gguf"):
+        from strata.gguf import GGUFFile
+        from strata.tokenizer import Tokenizer
+
+        loaded.tokenizer = Tokenizer.from_gguf_metadata(GGUFFile(loaded.path).metadata, loaded.path)
+
+
+def use_gpu_attention(engine: Engine) -> str:
+    """The attention context the engine's steps use on this pool; points the runner at the kernels.
+
+    A runner with the `context_class` hook (docs/GPU.md) has already chosen;
+    an older one names `TableAttention` in its module, which is redirected.
+    """
+    from strata.engine import runner as runner_module
+    from strata.kv.gpu_attention import context_class
+
+    if getattr(engine.runner, "context_class", None) is not None:
+        return engine.runner.context_class.__name__
+    cls = context_class(engine.pool)
+    runner_module.TableAttention = cls  # type: ignore[attr-defined,misc]
+    return cls.__name__
+
+
+def _sync(engine: Engine) -> None:
+    if engine.device.type == "cuda":
+        torch.cuda.synchronize(engine.device)
+
+
+def decode_run(engine: Engine, lanes: int, prompt_tokens: int, gen_tokens: int, salt: int) -> dict:
+    """All lanes read their prompts, then decode `gen_tokens` together; decode time only."""
+    vocab = engine.model_config.vocab_size
+    params = SamplingParams(max_tokens=gen_tokens, ignore_eos=True)
+    handles = [engine.generate(_prompt(vocab, prompt_tokens, salt + i), params) for i in range(lanes)]
+    iters = [iter(h) for h in handles]
+    t0 = time.perf_counter()
+    for it in iters:  # first token of every lane: its prompt has been read
+        next(it)
+    t1 = time.perf_counter()
+    done = [sum(len(ev.token_ids) for ev in it) for it in iters]
+    dt = time.perf_counter() - t1
+    return {"lanes": lanes, "prompt_tokens": prompt_tokens, "gen_tokens": gen_tokens,
+            "decode_tokens_per_s": sum(done) / dt, "per_lane_tokens_per_s": sum(done) / dt / lanes,
+            "decode_seconds": dt, "prompts_seconds": t1 - t0}
+
+
+def prompt_run(engine: Engine, prompt_tokens: int, salt: int) -> dict:
+    """One lane reads a prompt and samples one token."""
+    vocab = engine.model_config.vocab_size
+    t0 = time.perf_counter()
+    engine.complete(_prompt(vocab, prompt_tokens, salt), SamplingParams(max_tokens=1, ignore_eos=True))
+    dt = time.perf_counter() - t0
+    return {"prompt_tokens": prompt_tokens, "prompt_tokens_per_s": prompt_tokens / dt, "seconds": dt}
+
+
+def _decode_step(engine: Engine, lanes: int, position: int) -> tuple[list[SeqSpec], list[int], list[bool]]:
+    """One decode step of `lanes` lanes at `position` (reserving their chunks; the engine is idle)."""
+    for i in range(lanes):
+        assert engine.pool.reserve(i, position + 1), "pool too small for the profiled step"
+    seqs = [SeqSpec(i, position, 1) for i in range(lanes)]
+    return seqs, [100 + i for i in range(lanes)], [True] * lanes
+
+
+def step_timing(engine: Engine, lanes: int, position: int, reps: int = 20) -> dict:
+    """Wall time of `Runner.forward` for one decode step, synchronized (no sampling, no engine)."""
+    seqs, toks, sample = _decode_step(engine, lanes, position)
+    for _ in range(3):
+        engine.runner.forward(seqs, toks, sample)
+    _sync(engine)
+    t0 = time.perf_counter()
+    for _ in range(reps):
+        engine.runner.forward(seqs, toks, sample)
+    _sync(engine)
+    ms = (time.perf_counter() - t0) / reps * 1e3
+    return {"lanes": lanes, "position": position, "forward_ms": ms, "forward_tokens_per_s": lanes / ms * 1e3}
+
+
+def profile_step(engine: Engine, lanes: int, position: int, reps: int = 5) -> tuple[dict, str]:
+    """Torch profiler over `reps` decode steps: device time per step and the costliest operators."""
+    from torch.profiler import ProfilerActivity, profile
+
+    seqs, toks, sample = _decode_step(engine, lanes, position)
+    engine.runner.forward(seqs, toks, sample)
+    _sync(engine)
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        for _ in range(reps):
+            engine.runner.forward(seqs, toks, sample)
+        _sync(engine)
+    events = prof.key_averages()
+
+    def dev_self(e: Any) -> float:
+        return float(getattr(e, "self_device_time_total", getattr(e, "self_cuda_time_total", 0.0)))
+
+    total = sum(dev_self(e) for e in events)
+    top = sorted(events, key=dev_self, reverse=True)[:12]
+    summary = {
+        "lanes": lanes,
+        "position": position,
+        "device_ms_per_step": total / reps / 1e3,
+        "top": [{"name": e.key[:80], "device_ms_per_step": dev_self(e) / reps / 1e3,
+                 "calls_per_step": e.count / reps} for e in top],
+    }
+    try:
+        table = events.table(sort_by="self_device_time_total", row_limit=30)
+    except (AttributeError, KeyError, ValueError):  # older torch names it after CUDA
+        table = events.table(sort_by="self_cuda_time_total", row_limit=30)
+    return summary, table
+
+
+def attention_run(fmt_name: str, lanes: int, context: int, device: torch.device,
+                  heads: int = 32, kv_heads: int = 8, head_dim: int = 128, reps: int = 50) -> dict:
+    """Decode attention alone (one layer, Llama-3.1-8B heads) over full contexts: time and bytes/s."""
+    from strata.kv.formats import make_format
+    from strata.kv.gpu_attention import GpuTableAttention
+    from strata.kv.pool import KvPool
+
+    fmt = make_format(fmt_name, kv_heads, head_dim)
+    pool = KvPool(fmt, 1, lanes, context + 1, 4096, None, device)
+    for name, t in pool.layers[0].items():  # random cells: never time zeros
+        if t.is_floating_point():
+            t.copy_(torch.rand_like(t))
+        else:
+            t.copy_(torch.randint_like(t, 0, 100))
+    seqs = [SeqSpec(i, context - 1, 1) for i in range(lanes)]
+    ctx = GpuTableAttention(pool, seqs, heads, head_dim**-0.5, torch.bfloat16)
+    q = torch.randn(lanes, heads, head_dim, device=device, dtype=torch.bfloat16)
+    kv = torch.randn(lanes, kv_heads, head_dim, device=device, dtype=torch.bfloat16)
+    for _ in range(3):
+        ctx.attend(0, q, kv, kv)
+    torch.cuda.synchronize(device)
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(reps):
+        ctx.attend(0, q, kv, kv)
+    end.record()
+    torch.cuda.synchronize(device)
+    us = start.elapsed_time(end) / reps * 1e3
+    read = lanes * context * fmt.cell_bytes()
+    return {"kv": fmt_name, "lanes": lanes, "context": context, "us_per_layer": us,
+            "cell_bytes_read": read, "TBps": read / us / 1e6}
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description="GPU throughput of the engine on one GGUF file (JSON)")
+    p.add_argument("model")
+    p.add_argument("--device", default="cuda")
+    p.add_argument("--lanes", default="1,16,64")
+    p.add_argument("--prompt-tokens", type=int, default=512)
+    p.add_argument("--gen-tokens", type=int, default=128)
+    p.add_argument("--prompt-lengths", default="512,8192", help="one-lane prompt reads to time")
+    p.add_argument("--prefill-chunk", type=int, default=512)
+    p.add_argument("--kv", default="auto")
+    p.add_argument("--kv-chunk", type=int, default=1024)
+    p.add_argument("--profile-lanes", default="1,64")
+    p.add_argument("--attention", default="bf16,int8,q4_0,k8v4",
+                   help="KV formats to time decode attention alone in (empty: skip)")
+    p.add_argument("--out", default=None)
+    p.add_argument("--profile-out", default=None)
+    args = p.parse_args(argv)
+    lanes = [int(x) for x in args.lanes.split(",") if x]
+    lengths = [int(x) for x in args.prompt_lengths.split(",") if x]
+    parallel = max(lanes)
+    max_context = max(lengths + [args.prompt_tokens + args.gen_tokens]) + 64
+    per_lane = args.prompt_tokens + args.gen_tokens + 1
+    chunks = parallel * -(-per_lane // args.kv_chunk) + -(-max_context // args.kv_chunk) + 1
+    cfg = EngineConfig(model=args.model, device=args.device, parallel=parallel, max_context=max_context,
+                       kv_pool_tokens=chunks * args.kv_chunk, kv_chunk=args.kv_chunk, kv=args.kv,
+                       prefill_chunk=args.prefill_chunk, max_queued=4 * parallel)
+    from strata.models import load_model
+
+    t0 = time.perf_counter()
+    loaded = load_model(args.model, args.device, "auto", progress=False)
+    attach_tokenizer(loaded)
+    load_s = time.perf_counter() - t0
+    out: dict[str, Any] = {"model": args.model, "load_seconds": load_s}
+    weight_bytes = sum(t.numel() * t.element_size() for t in loaded.model.parameters())
+    out["weight_bytes"] = weight_bytes
+    tables: list[str] = []
+
+    def stage(name: str, fn: Any) -> None:
+        """Run one measurement; a failure is recorded and the others still run."""
+        t = time.perf_counter()
+        try:
+            out[name] = fn()
+        except Exception as e:  # noqa: BLE001 - a benchmark reports, it does not stop
+            out[name] = {"error": f"{type(e).__name__}: {e}"}
+        print(f"[{name}: {time.perf_counter() - t:.1f} s]", file=sys.stderr, flush=True)
+        if args.out:
+            with open(args.out, "w") as f:
+                f.write(json.dumps(out, indent=1) + "\n")
+
+    def profiles() -> list[dict]:
+        result = []
+        for n in [int(x) for x in args.profile_lanes.split(",") if x]:
+            summary, table = profile_step(engine, n, args.prompt_tokens)
+            result.append(summary)
+            tables.append(f"== decode step, {n} lanes at position {args.prompt_tokens} ==\n{table}")
+        return result
+
+    def warmup() -> float:  # compiles every kernel variant the runs below use
+        t = time.perf_counter()
+        for n in sorted({1, parallel}):
+            decode_run(engine, n, args.prompt_tokens, 8, salt=90_000 + 100 * n)
+        return time.perf_counter() - t
+
+    with Engine(cfg, loaded=loaded) as engine:
+        out["attention"] = use_gpu_attention(engine)
+        out["config"] = {k: getattr(cfg, k) for k in ("parallel", "max_context", "kv_pool_tokens",
+                                                        "kv_chunk", "prefill_chunk")}
+        out["kv_format"] = engine.pool.fmt.name
+        cuda = engine.device.type == "cuda"
+        if cuda:
+            out["device_name"] = torch.cuda.get_device_name(engine.device)
+            bw = copy_bandwidth(engine.device)
+            out["copy_bandwidth_TBps"] = bw / 1e12
+            out["one_lane_limit_tokens_per_s"] = bw / weight_bytes
+            out["one_lane_limit_at_4.26TBps"] = 4.26e12 / weight_bytes
+        stage("warmup_seconds", warmup)
+        stage("decode", lambda: [decode_run(engine, n, args.prompt_tokens, args.gen_tokens,
+                                            salt=1000 * n) for n in lanes])
+        stage("prompt", lambda: [prompt_run(engine, n, salt=500_000 + n) for n in lengths])
+        stage("forward_step", lambda: [step_timing(engine, n, args.prompt_tokens) for n in lanes])
+        if cuda:
+            stage("profile", profiles)
+    if args.device.startswith("cuda") and args.attention:
+        dev = torch.device(args.device)
+        stage("attention_kernel", lambda: [attention_run(f, n, c, dev) for f in args.attention.split(",")
+                                           for n, c in ((1, 32768), (16, 4096), (64, 4096))])
+    text = json.dumps(out, indent=1)
+    print(text)
+    if args.out:
+        with open(args.out, "w") as f:
+            f.write(text + "\n")
+    if args.profile_out and tables:
+        with open(args.profile_out, "w") as f:
+            f.write("\n\n".join(tables))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,110 @@
+"""The engine's AttentionContext on a CUDA pool: Triton kernels over the chunk tables.
+
+Same constructor and `attend` as `TableAttention` (the torch reference and
+the oracle in tests), so the runner picks one or the other by the pool's
+device (`context_class`). Everything a step's kernels need besides the pool
+(rows, sessions, lengths, write cells) is computed once per step on the host
+and copied to the device in one transfer; the chunk tables themselves are
+read by the kernels from the pool's fixed device copy.
+"""
+
+from __future__ import annotations
+
+import functools
+import weakref
+
+import torch
+
+from strata.kv.attention import SeqSpec, TableAttention
+from strata.kv.formats import PlainFormat
+from strata.kv.pool import KvPool
+
+try:  # the CPU path must not need Triton
+    from strata.kv.triton.decode import DecodeBatch, decode_attention
+    from strata.kv.triton.layout import Half, halves, supported
+    from strata.kv.triton.prefill import PrefillBatch, prefill_attention, query_blocks
+    from strata.kv.triton.write import write_plain
+
+    HAVE_TRITON = True
+except ImportError:  # pragma: no cover - depends on the installation
+    HAVE_TRITON = False
+
+# Per pool, per layer: the (K, V) kernel views of its storage, made once.
+_HALVES: "weakref.WeakKeyDictionary[KvPool, list[tuple[Half, Half]]]" = weakref.WeakKeyDictionary()
+
+
+@functools.lru_cache(maxsize=None)
+def _sm_count(index: int) -> int:
+    return torch.cuda.get_device_properties(index).multi_processor_count
+
+
+def _layer_halves(pool: KvPool, layer: int) -> "tuple[Half, Half]":
+    views = _HALVES.get(pool)
+    if views is None:
+        views = [halves(pool.fmt, st) for st in pool.layers]
+        _HALVES[pool] = views
+    return views[layer]
+
+
+def context_class(pool: KvPool) -> type:
+    """GpuTableAttention for a CUDA pool in a format the kernels read; else the torch reference."""
+    if pool.device.type == "cuda" and HAVE_TRITON and supported(pool.fmt):
+        return GpuTableAttention
+    return TableAttention
+
+
+class GpuTableAttention:
+    """The AttentionContext of one engine step over a pool on a CUDA device."""
+
+    def __init__(
+        self, pool: KvPool, seqs: list[SeqSpec], num_heads: int, scale: float, dtype: torch.dtype
+    ) -> None:
+        self.pool = pool
+        self.fmt = pool.fmt
+        self.scale = scale
+        self.dtype = dtype
+        self.num_heads = num_heads
+        self.plain = isinstance(pool.fmt, PlainFormat)
+        self.sms = _sm_count(pool.device.index if pool.device.index is not None else torch.cuda.current_device())
+        dev = pool.device
+        ns = torch.tensor([s.n for s in seqs], dtype=torch.int64)
+        starts = torch.tensor([s.start for s in seqs], dtype=torch.int64)
+        sessions = torch.tensor([s.session for s in seqs], dtype=torch.int64)
+        rows = torch.cumsum(ns, 0) - ns
+        t = int(ns.sum()) if seqs else 0
+        # write cells of every new token, through the host copy of the tables
+        tok_sess = torch.repeat_interleave(sessions, ns)
+        tok_pos = torch.arange(t, dtype=torch.int64) - torch.repeat_interleave(rows - starts, ns)
+        chunk = pool.chunk_size
+        write = pool.tables[tok_sess, tok_pos // chunk] * chunk + tok_pos % chunk
+        dec = ns == 1
+        pre = ~dec
+        blk_seq, blk_m0 = query_blocks(ns[pre].tolist())
+        parts = [
+            write,
+            rows[dec], sessions[dec], starts[dec] + 1,
+            torch.tensor(blk_seq, dtype=torch.int64), torch.tensor(blk_m0, dtype=torch.int64),
+            sessions[pre], starts[pre], ns[pre], rows[pre],
+        ]
+        packed = torch.cat(parts).to(dev)  # one host-to-device copy per step
+        views = packed.split([p.numel() for p in parts])
+        self.write_cells = views[0]
+        self.decode = DecodeBatch(views[1], views[2], views[3],
+                                  int(starts[dec].max()) + 1 if bool(dec.any()) else 0)
+        self.prefill = PrefillBatch(*views[4:])
+
+    def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        """Store k, v [T, Hkv, D] at the step's cells; causal attention of q [T, Hq, D] -> [T, Hq, D]."""
+        storage = self.pool.layers[layer]
+        kh, vh = _layer_halves(self.pool, layer)
+        if self.plain:
+            write_plain(kh.data, vh.data, self.write_cells, k, v)
+        else:
+            self.fmt.write(storage, self.write_cells, k, v)
+        if q.stride(-1) != 1:
+            q = q.contiguous()
+        out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+        tables, chunk = self.pool.tables_device, self.pool.chunk_size
+        decode_attention(q, out, self.decode, kh, vh, tables, chunk, self.scale, self.sms)
+        prefill_attention(q, out, self.prefill, kh, vh, tables, chunk, self.scale)
+        return self.fmt.finish_output(out)

@@ -1,0 +1,163 @@
+"""Decode attention: one query per lane over its cached cells, read through the chunk tables.
+
+One program computes the G query heads that share one KV head (grouped-query
+attention: each K/V tile is loaded once for the whole group and multiplied
+as a [G, N] tile on the tensor cores) over one split of the lane's
+positions. Few lanes leave most multiprocessors idle, so the context is then
+split and a second pass combines the splits' partial results through their
+log-sum-exp; with enough lanes there is one split and the first pass writes
+the output itself.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+from strata.kv.triton.cells import cells_of, load_tile
+from strata.kv.triton.layout import Half
+
+LOG2E = 1.4426950408889634
+BLOCK_N = 64
+MIN_SPLIT = 256  # positions: a shorter split costs more in the second pass than it saves
+MAX_SPLITS = 64
+
+
+@triton.jit(do_not_specialize=["split_len", "num_splits"])  # they change as contexts grow
+def _decode_kernel(
+    q, out, mid_o, mid_lse, q_rows, sessions, seqlens, tables, t_stride,
+    k_data, k_aux, k_sc, k_sh, k_ac, k_ah,
+    v_data, v_aux, v_sc, v_sh, v_ac, v_ah,
+    qk_scale, sq_t, sq_h, so_t, so_h, num_heads, split_len, num_splits,
+    G: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr,
+    BLOCK_D: tl.constexpr, CHUNK: tl.constexpr, K_KIND: tl.constexpr, V_KIND: tl.constexpr,
+    DIRECT: tl.constexpr,
+):
+    lane = tl.program_id(0)
+    kvh = tl.program_id(1)
+    split = tl.program_id(2)
+    seqlen = tl.load(seqlens + lane).to(tl.int32)
+    session = tl.load(sessions + lane).to(tl.int64)
+    row = tl.load(q_rows + lane).to(tl.int64)
+    lo = split * split_len
+    hi = tl.minimum(lo + split_len, seqlen)
+
+    offs_g = tl.arange(0, BLOCK_G)
+    offs_d = tl.arange(0, BLOCK_D)
+    offs_n = tl.arange(0, BLOCK_N)
+    heads = kvh * G + offs_g
+    gmask = offs_g < G
+    dmask = offs_d < HEAD_DIM
+    qt = tl.load(q + row * sq_t + heads[:, None] * sq_h + offs_d[None, :],
+                 mask=gmask[:, None] & dmask[None, :], other=0.0)
+    table_row = tables + session * t_stride
+
+    m_i = tl.full([BLOCK_G], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_G], tl.float32)
+    acc = tl.zeros([BLOCK_G, BLOCK_D], tl.float32)
+    for start in range(lo, hi, BLOCK_N):
+        pos = start + offs_n
+        nmask = pos < hi
+        cells = cells_of(table_row, pos, nmask, CHUNK)
+        k = load_tile(k_data, k_aux, cells, kvh, offs_d, nmask, k_sc, k_sh, k_ac, k_ah,
+                      K_KIND, HEAD_DIM, q.dtype.element_ty)
+        s = tl.dot(qt, tl.trans(k)) * qk_scale
+        s = tl.where(nmask[None, :], s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        alpha = tl.exp2(m_i - m_new)
+        p = tl.exp2(s - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(p, 1)
+        v = load_tile(v_data, v_aux, cells, kvh, offs_d, nmask, v_sc, v_sh, v_ac, v_ah,
+                      V_KIND, HEAD_DIM, q.dtype.element_ty)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+        m_i = m_new
+
+    o = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]  # an empty split gives zeros, not NaN
+    omask = gmask[:, None] & dmask[None, :]
+    if DIRECT:
+        tl.store(out + row * so_t + heads[:, None] * so_h + offs_d[None, :],
+                 o.to(out.dtype.element_ty), mask=omask)
+    else:
+        slot = (lane * num_heads + heads) * num_splits + split
+        tl.store(mid_o + slot[:, None] * HEAD_DIM + offs_d[None, :], o, mask=omask)
+        tl.store(mid_lse + slot, m_i + tl.log2(l_i), mask=gmask)
+
+
+@triton.jit(do_not_specialize=["num_splits"])
+def _combine_kernel(
+    mid_o, mid_lse, out, q_rows, so_t, so_h, num_heads, num_splits,
+    HEAD_DIM: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr,
+):
+    lane = tl.program_id(0)
+    head = tl.program_id(1)
+    row = tl.load(q_rows + lane).to(tl.int64)
+    offs_s = tl.arange(0, BLOCK_S)
+    offs_d = tl.arange(0, BLOCK_D)
+    smask = offs_s < num_splits
+    dmask = offs_d < HEAD_DIM
+    slot = (lane * num_heads + head) * num_splits + offs_s
+    lse = tl.load(mid_lse + slot, mask=smask, other=float("-inf"))
+    w = tl.exp2(lse - tl.max(lse, 0))  # an empty split has lse -inf: weight 0
+    o = tl.load(mid_o + slot[:, None] * HEAD_DIM + offs_d[None, :],
+                mask=smask[:, None] & dmask[None, :], other=0.0)
+    res = tl.sum(w[:, None] * o, 0) / tl.sum(w, 0)
+    tl.store(out + row * so_t + head * so_h + offs_d, res.to(out.dtype.element_ty), mask=dmask)
+
+
+@dataclass(frozen=True)
+class DecodeBatch:
+    """Device metadata of the decoding lanes of one step (int32 [B] each)."""
+
+    q_rows: torch.Tensor  # row of the step's flattened tokens holding the lane's query
+    sessions: torch.Tensor  # pool session (chunk table row)
+    seqlens: torch.Tensor  # cells to attend: start + 1
+    max_len: int  # host copy of max(seqlens), to size the splits
+
+
+def plan_splits(lanes: int, kv_heads: int, max_len: int, sms: int) -> tuple[int, int]:
+    """(split length, number of splits): enough programs to cover every multiprocessor twice."""
+    base = lanes * kv_heads
+    if base >= 2 * sms or max_len <= MIN_SPLIT:
+        return max(max_len, 1), 1
+    want = min(MAX_SPLITS, -(-2 * sms // base))
+    split = max(MIN_SPLIT, -(-max_len // want))
+    split = -(-split // BLOCK_N) * BLOCK_N
+    return split, -(-max_len // split)
+
+
+def decode_attention(
+    q: torch.Tensor, out: torch.Tensor, batch: DecodeBatch, k: Half, v: Half,
+    tables: torch.Tensor, chunk: int, scale: float, sms: int,
+) -> None:
+    """Write attention for the lanes' query rows of `q` [T, Hq, D] into the same rows of `out`."""
+    lanes = batch.q_rows.shape[0]
+    if lanes == 0:
+        return
+    hq, d = q.shape[1], q.shape[2]
+    hkv = k.data.shape[1]
+    g = hq // hkv
+    split_len, splits = plan_splits(lanes, hkv, batch.max_len, sms)
+    direct = splits == 1
+    if direct:
+        mid_o = mid_lse = out  # unused
+    else:
+        mid_o = torch.empty((lanes, hq, splits, d), dtype=torch.float32, device=q.device)
+        mid_lse = torch.empty((lanes, hq, splits), dtype=torch.float32, device=q.device)
+    block_d = triton.next_power_of_2(d)
+    _decode_kernel[(lanes, hkv, splits)](
+        q, out, mid_o, mid_lse, batch.q_rows, batch.sessions, batch.seqlens, tables,
+        tables.stride(0), *k.args(), *v.args(),
+        scale * LOG2E, q.stride(0), q.stride(1), out.stride(0), out.stride(1), hq,
+        split_len, splits,
+        G=g, HEAD_DIM=d, BLOCK_G=max(16, triton.next_power_of_2(g)), BLOCK_N=BLOCK_N,
+        BLOCK_D=block_d, CHUNK=chunk, K_KIND=k.kind, V_KIND=v.kind, DIRECT=direct,
+        num_warps=4, num_stages=2,
+    )
+    if not direct:
+        _combine_kernel[(lanes, hq)](
+            mid_o, mid_lse, out, batch.q_rows, out.stride(0), out.stride(1), hq, splits,
+            HEAD_DIM=d, BLOCK_S=triton.next_power_of_2(splits), BLOCK_D=block_d, num_warps=4,
+        )

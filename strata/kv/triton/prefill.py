@@ -1,0 +1,120 @@
+"""Prompt-reading attention: a chunk of new queries over the cached prefix plus themselves, causal.
+
+Queries are cut into blocks of BLOCK_M rows of one sequence; a program takes
+one block and one query head and streams the keys [0, last query of the
+block] through the sequence's chunk table. The new tokens' K/V were written
+to the pool before the launch, so cached and new keys are read one way.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+from strata.kv.triton.cells import cells_of, load_tile
+from strata.kv.triton.decode import LOG2E
+from strata.kv.triton.layout import Half
+
+BLOCK_M = 64
+BLOCK_N = 64
+
+
+@triton.jit
+def _prefill_kernel(
+    q, out, blk_seq, blk_m0, seq_session, seq_start, seq_n, seq_row, tables, t_stride,
+    k_data, k_aux, k_sc, k_sh, k_ac, k_ah,
+    v_data, v_aux, v_sc, v_sh, v_ac, v_ah,
+    qk_scale, sq_t, sq_h, so_t, so_h,
+    G: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    BLOCK_D: tl.constexpr, CHUNK: tl.constexpr, K_KIND: tl.constexpr, V_KIND: tl.constexpr,
+):
+    blk = tl.program_id(0)
+    head = tl.program_id(1)
+    kvh = head // G
+    s = tl.load(blk_seq + blk)
+    m0 = tl.load(blk_m0 + blk).to(tl.int32)
+    session = tl.load(seq_session + s).to(tl.int64)
+    start = tl.load(seq_start + s).to(tl.int32)
+    n = tl.load(seq_n + s).to(tl.int32)
+    row0 = tl.load(seq_row + s).to(tl.int64)
+
+    offs_m = m0 + tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, BLOCK_D)
+    offs_n = tl.arange(0, BLOCK_N)
+    mmask = offs_m < n
+    dmask = offs_d < HEAD_DIM
+    qpos = start + offs_m
+    rows = row0 + offs_m
+    qt = tl.load(q + rows[:, None] * sq_t + head * sq_h + offs_d[None, :],
+                 mask=mmask[:, None] & dmask[None, :], other=0.0)
+    table_row = tables + session * t_stride
+    hi = tl.minimum(start + m0 + BLOCK_M, start + n)  # keys past the block's last query: none
+
+    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+    for kstart in range(0, hi, BLOCK_N):
+        kpos = kstart + offs_n
+        nmask = kpos < hi
+        cells = cells_of(table_row, kpos, nmask, CHUNK)
+        k = load_tile(k_data, k_aux, cells, kvh, offs_d, nmask, k_sc, k_sh, k_ac, k_ah,
+                      K_KIND, HEAD_DIM, q.dtype.element_ty)
+        sc = tl.dot(qt, tl.trans(k)) * qk_scale
+        sc = tl.where(nmask[None, :] & (kpos[None, :] <= qpos[:, None]), sc, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(sc, 1))  # key 0 is in every row's first block: finite
+        alpha = tl.exp2(m_i - m_new)
+        p = tl.exp2(sc - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(p, 1)
+        v = load_tile(v_data, v_aux, cells, kvh, offs_d, nmask, v_sc, v_sh, v_ac, v_ah,
+                      V_KIND, HEAD_DIM, q.dtype.element_ty)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+        m_i = m_new
+
+    o = acc / l_i[:, None]
+    tl.store(out + rows[:, None] * so_t + head * so_h + offs_d[None, :],
+             o.to(out.dtype.element_ty), mask=mmask[:, None] & dmask[None, :])
+
+
+@dataclass(frozen=True)
+class PrefillBatch:
+    """Device metadata (int32) of the step's prompt-reading sequences and their query blocks."""
+
+    blk_seq: torch.Tensor  # [NB] sequence of each query block
+    blk_m0: torch.Tensor  # [NB] first query (offset in its sequence) of each block
+    session: torch.Tensor  # [S]
+    start: torch.Tensor  # [S] position of the first new token
+    n: torch.Tensor  # [S] new tokens
+    row: torch.Tensor  # [S] row of the first new token in the step's flattened tokens
+
+
+def query_blocks(ns: list[int]) -> tuple[list[int], list[int]]:
+    """(sequence index, first query) of every BLOCK_M-row block of sequences with `ns` queries."""
+    seq, m0 = [], []
+    for i, n in enumerate(ns):
+        for m in range(0, n, BLOCK_M):
+            seq.append(i)
+            m0.append(m)
+    return seq, m0
+
+
+def prefill_attention(
+    q: torch.Tensor, out: torch.Tensor, batch: PrefillBatch, k: Half, v: Half,
+    tables: torch.Tensor, chunk: int, scale: float,
+) -> None:
+    """Write causal attention for the sequences' query rows of `q` into the same rows of `out`."""
+    blocks = batch.blk_seq.shape[0]
+    if blocks == 0:
+        return
+    hq, d = q.shape[1], q.shape[2]
+    hkv = k.data.shape[1]
+    _prefill_kernel[(blocks, hq)](
+        q, out, batch.blk_seq, batch.blk_m0, batch.session, batch.start, batch.n, batch.row,
+        tables, tables.stride(0), *k.args(), *v.args(),
+        scale * LOG2E, q.stride(0), q.stride(1), out.stride(0), out.stride(1),
+        G=hq // hkv, HEAD_DIM=d, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N,
+        BLOCK_D=triton.next_power_of_2(d), CHUNK=chunk, K_KIND=k.kind, V_KIND=v.kind,
+        num_warps=4, num_stages=2,
+    )

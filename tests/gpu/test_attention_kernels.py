@@ -1,0 +1,187 @@
+"""Triton attention over the pool against the torch reference (`TableAttention`) on the same pool.
+
+Both contexts write the same K/V into their own copy of one pool layout and
+attend; the kernels must agree with the reference within what the compute
+dtype allows, and must be at least as close to float64 attention as the
+reference is. Odd lengths, chunk boundaries, trash entries, several sessions
+and mixed decode/prefill steps are covered.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+pytest.importorskip("triton")
+import torch  # noqa: E402
+
+if not torch.cuda.is_available():
+    pytest.skip("needs a CUDA device", allow_module_level=True)
+
+from strata.kv.attention import SeqSpec, TableAttention  # noqa: E402
+from strata.kv.formats import make_format  # noqa: E402
+from strata.kv.gpu_attention import GpuTableAttention, context_class  # noqa: E402
+from strata.kv.pool import KvPool  # noqa: E402
+
+DEV = "cuda"
+HQ, HKV, D = 8, 2, 64
+CHUNK = 32
+# ‖out - ref‖ / ‖ref‖ against float64 attention, per compute dtype (METHOD: bf16 1e-3..1e-2)
+REL = {torch.bfloat16: 1.5e-2, torch.float16: 3e-3}
+# extra error a quantized format may add over plain storage, relative
+QUANT_REL = {"bf16": 0.0, "fp16": 0.0, "int8": 0.03, "q4_0": 0.2, "k8v4": 0.2}
+
+
+def _pools(fmt: str, sessions: int, max_context: int, pool_tokens: int | None) -> tuple[KvPool, KvPool]:
+    make = lambda: KvPool(make_format(fmt, HKV, D), 2, sessions, max_context, CHUNK,  # noqa: E731
+                          pool_tokens, DEV)
+    return make(), make()
+
+
+def _reserve(pools: tuple[KvPool, KvPool], order: list[tuple[int, int]]) -> None:
+    """Reserve in the same interleaved order in both pools, so chunks are scattered alike."""
+    for p in pools:
+        for session, n in order:
+            assert p.reserve(session, n)
+
+
+def _exact(q: torch.Tensor, keys: list[torch.Tensor], vals: list[torch.Tensor],
+           seqs: list[SeqSpec]) -> torch.Tensor:
+    """Float64 causal GQA attention of every query row over its session's full history."""
+    out, off = [], 0
+    for s, k, v in zip(seqs, keys, vals):
+        qq = q[off : off + s.n].double()
+        kk = k.double().repeat_interleave(HQ // HKV, dim=1)
+        vv = v.double().repeat_interleave(HQ // HKV, dim=1)
+        sc = torch.einsum("qhd,khd->hqk", qq, kk) * D**-0.5
+        qpos = torch.arange(s.start, s.end, device=q.device)[:, None]
+        sc = sc.masked_fill(torch.arange(s.end, device=q.device)[None, :] > qpos, float("-inf"))
+        out.append(torch.einsum("hqk,khd->qhd", torch.softmax(sc, -1), vv))
+        off += s.n
+    return torch.cat(out)
+
+
+def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float((a.double() - b.double()).norm() / b.double().norm())
+
+
+class Scenario:
+    """Histories per session; each step appends tokens and checks both contexts."""
+
+    def __init__(self, fmt: str, dtype: torch.dtype, sessions: int, max_context: int,
+                 pool_tokens: int | None = None, seed: int = 0) -> None:
+        self.gen = torch.Generator(device=DEV).manual_seed(seed)
+        self.dtype = dtype
+        self.fmt = fmt
+        self.pools = _pools(fmt, sessions, max_context, pool_tokens)
+        self.hist: dict[int, tuple[list[torch.Tensor], list[torch.Tensor]]] = {}
+
+    def _randn(self, *shape: int) -> torch.Tensor:
+        return torch.randn(*shape, generator=self.gen, device=DEV).to(self.dtype)
+
+    def step(self, seqs: list[SeqSpec], layer: int = 0) -> tuple[float, float, float]:
+        """(kernel vs reference, kernel vs exact, reference vs exact) relative errors."""
+        t = sum(s.n for s in seqs)
+        q, k, v = self._randn(t, HQ, D), self._randn(t, HKV, D), self._randn(t, HKV, D)
+        ref_pool, gpu_pool = self.pools
+        ref = TableAttention(ref_pool, seqs, HQ, D**-0.5, self.dtype).attend(layer, q, k, v)
+        out = torch.full_like(q, float("nan"))  # poison: every row must be written
+        got = GpuTableAttention(gpu_pool, seqs, HQ, D**-0.5, self.dtype).attend(layer, q, k, v)
+        out.copy_(got)
+        assert torch.isfinite(out).all(), "a row was left unwritten or became NaN"
+        keys, vals, off = [], [], 0
+        for s in seqs:
+            hk, hv = self.hist.setdefault(s.session, ([], []))
+            assert sum(x.shape[0] for x in hk) == s.start, "test bookkeeping"
+            hk.append(k[off : off + s.n])
+            hv.append(v[off : off + s.n])
+            keys.append(torch.cat(hk))
+            vals.append(torch.cat(hv))
+            off += s.n
+        exact = _exact(q, keys, vals, seqs)
+        return _rel(out, ref), _rel(out, exact), _rel(ref, exact)
+
+    def check(self, seqs: list[SeqSpec]) -> None:
+        vs_ref, vs_exact, ref_exact = self.step(seqs)
+        tol = REL[self.dtype] + QUANT_REL[self.fmt]
+        assert vs_exact < tol, (vs_ref, vs_exact, ref_exact)
+        assert vs_exact <= ref_exact * 1.5 + 1e-3, (vs_ref, vs_exact, ref_exact)
+        assert vs_ref < tol, (vs_ref, vs_exact, ref_exact)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("fmt", ["bf16", "fp16"])
+def test_prefill_then_decode_plain(fmt: str, dtype: torch.dtype) -> None:
+    sc = Scenario(fmt, dtype, sessions=3, max_context=400, pool_tokens=None)
+    lens = {0: 37, 1: 1, 2: 131}  # odd, a single token, past four chunk boundaries
+    sc.check([SeqSpec(s, 0, n) for s, n in lens.items()])
+    for _ in range(3):
+        sc.check([SeqSpec(s, n, 1) for s, n in lens.items()])
+        lens = {s: n + 1 for s, n in lens.items()}
+
+
+@pytest.mark.parametrize("fmt", ["bf16", "fp16", "int8", "q4_0", "k8v4"])
+def test_shared_pool_scattered_chunks_and_chunked_prompt(fmt: str) -> None:
+    dtype = torch.bfloat16
+    sc = Scenario(fmt, dtype, sessions=4, max_context=512, pool_tokens=16 * CHUNK, seed=1)
+    # interleaved reservations: each session's chunks are scattered through the pool
+    _reserve(sc.pools, [(0, 33), (1, 65), (2, 64), (0, 96), (3, 5), (1, 190), (2, 129)])
+    for p in sc.pools:
+        p.check_invariants()
+    # prompts read in chunks, the second chunk over a cached prefix, beside a decode lane
+    sc.check([SeqSpec(0, 0, 31), SeqSpec(1, 0, 70), SeqSpec(3, 0, 1)])
+    sc.check([SeqSpec(0, 31, 2), SeqSpec(1, 70, 119), SeqSpec(3, 1, 1), SeqSpec(2, 0, 129)])
+    sc.check([SeqSpec(0, 33, 1), SeqSpec(1, 189, 1), SeqSpec(2, 129, 1), SeqSpec(3, 2, 1)])
+    for i in range(2):  # sessions 0 and 3 still have reserved room
+        sc.check([SeqSpec(0, 34 + i, 1), SeqSpec(3, 3 + i, 1)])
+
+
+@pytest.mark.parametrize("fmt", ["bf16", "int8", "k8v4"])
+def test_long_context_uses_splits(fmt: str) -> None:
+    """One lane at 5,000+ positions: the context is split and the splits combined."""
+    from strata.kv.triton.decode import plan_splits
+
+    assert plan_splits(1, HKV, 5000, 132)[1] > 1
+    sc = Scenario(fmt, torch.bfloat16, sessions=2, max_context=6000, seed=2)
+    sc.check([SeqSpec(0, 0, 4999), SeqSpec(1, 0, 300)])
+    sc.check([SeqSpec(0, 4999, 1), SeqSpec(1, 300, 1)])
+    sc.check([SeqSpec(0, 5000, 1)])
+
+
+def test_trash_entries_are_never_read() -> None:
+    """Large poisoned trash cells and unreserved table entries leave the output unchanged."""
+    sc = Scenario("bf16", torch.bfloat16, sessions=2, max_context=256, pool_tokens=8 * CHUNK, seed=3)
+    _reserve(sc.pools, [(0, 40), (1, 3)])
+    sc.check([SeqSpec(0, 0, 40), SeqSpec(1, 0, 3)])
+    for p in sc.pools:
+        for t in p.layers[0].values():
+            t[p.trash * CHUNK :] = 1e4 if t.is_floating_point() else 77
+    sc.check([SeqSpec(0, 40, 1), SeqSpec(1, 3, 1)])
+
+
+def test_layers_are_separate_and_writes_match_reference_bits() -> None:
+    """Plain-format writes store exactly the bits `fmt.write` stores, in the right layer."""
+    sc = Scenario("bf16", torch.bfloat16, sessions=2, max_context=128, seed=4)
+    seqs = [SeqSpec(0, 0, 45), SeqSpec(1, 0, 2)]
+    sc.step(seqs, layer=1)
+    ref_pool, gpu_pool = sc.pools
+    for name in ("k", "v"):
+        assert torch.equal(ref_pool.layers[1][name], gpu_pool.layers[1][name])
+        assert torch.equal(gpu_pool.layers[0][name], torch.zeros_like(gpu_pool.layers[0][name]))
+
+
+@pytest.mark.parametrize("fmt", ["int8", "q4_0", "k8v4"])
+def test_quantized_writes_match_reference_bits(fmt: str) -> None:
+    sc = Scenario(fmt, torch.bfloat16, sessions=2, max_context=128, seed=5)
+    sc.step([SeqSpec(0, 0, 45), SeqSpec(1, 0, 1)])
+    ref_pool, gpu_pool = sc.pools
+    for name, t in ref_pool.layers[0].items():
+        assert torch.equal(t, gpu_pool.layers[0][name]), name
+
+
+def test_context_class_picks_kernels_on_cuda_and_reference_on_cpu() -> None:
+    gpu = KvPool(make_format("bf16", HKV, D), 1, 1, 64, CHUNK, None, DEV)
+    cpu = KvPool(make_format("bf16", HKV, D), 1, 1, 64, CHUNK, None, "cpu")
+    assert context_class(gpu) is GpuTableAttention
+    assert context_class(cpu) is TableAttention
+    assert context_class(KvPool(make_format("fp32", HKV, D), 1, 1, 64, CHUNK, None, DEV)) \
+        is GpuTableAttention
