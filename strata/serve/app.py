@@ -97,9 +97,11 @@ class AccessMiddleware:
     @staticmethod
     def _log(scope: Scope, status: int, elapsed: float, info: dict[str, Any]) -> None:
         extras = " ".join(
-            f"{k}={info[k]}" for k in ("prompt", "completion", "cached", "finish", "truncated", "user")
+            f"{k}={info[k]}" for k in ("prompt", "completion", "cached", "finish", "truncated")
             if info.get(k) is not None
         )
+        if info.get("user") is not None:  # client-chosen text: quoted, so it cannot forge a log line
+            extras += f" user={info['user']!r}"
         log.info("%s %s %s %.3fs %s", scope["method"], scope["path"], status or "-", elapsed, extras)
 
 

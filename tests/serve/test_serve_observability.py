@@ -83,7 +83,7 @@ def test_one_log_line_per_request(http: httpx.Client, caplog: pytest.LogCaptureF
     lines = [r.getMessage() for r in caplog.records if "/v1/chat/completions" in r.getMessage()]
     assert len(lines) == 1
     assert re.match(r"POST /v1/chat/completions 200 \d+\.\d{3}s prompt=\d+ completion=14 cached=\d+ "
-                    r"finish=stop user=alice$", lines[0]), lines[0]
+                    r"finish=stop user='alice'$", lines[0]), lines[0]
 
 
 def test_disconnect_mid_stream_cancels_and_frees_the_lane(server: ServerThread, engine: FakeEngine,
