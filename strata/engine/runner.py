@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 
 from strata.kv.attention import SeqSpec, TableAttention
+from strata.kv.gpu_attention import context_class
 from strata.kv.pool import KvPool
 
 
@@ -17,13 +18,15 @@ class Runner:
         self.scale = scale
         self.dtype = dtype
         self.device = device
+        # Triton kernels read the pool in place; a streamed pool goes through its store
+        self.context = TableAttention if pool.store is not None else context_class(pool)
 
     @torch.inference_mode()
     def forward(self, seqs: list[SeqSpec], tokens: list[int], sample: list[bool]) -> torch.Tensor:
         """Logits (float32) of the last row of every sequence with `sample` set, in order."""
         input_ids = torch.tensor(tokens, dtype=torch.int64, device=self.device)
         positions = torch.cat([torch.arange(s.start, s.end, dtype=torch.int64) for s in seqs])
-        ctx = TableAttention(self.pool, seqs, self.num_heads, self.scale, self.dtype)
+        ctx = self.context(self.pool, seqs, self.num_heads, self.scale, self.dtype)
         hidden = self.model(input_ids, positions.to(self.device), ctx)
         rows, end = [], 0
         for s, wanted in zip(seqs, sample):
