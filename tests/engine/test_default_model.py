@@ -1,0 +1,42 @@
+"""The embedded default model through the engine: real answers, exact lanes."""
+
+from __future__ import annotations
+
+import pytest
+
+from strata.engine.config import EngineConfig
+from strata.engine.engine import Engine
+from strata.engine.types import SamplingParams
+from strata.models import load_model
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture(scope="module")
+def loaded():
+    return load_model(None, device="cpu", dtype="bfloat16", progress=False)
+
+
+def _chat(loaded, text: str) -> list[int]:
+    tok = loaded.tokenizer
+    return tok.encode(tok.apply_chat_template([{"role": "user", "content": text}],
+                                              add_generation_prompt=True))
+
+
+def test_capital_of_france_is_paris(loaded) -> None:
+    with Engine(EngineConfig(max_context=512), loaded=loaded) as eng:
+        r = eng.complete(_chat(loaded, "What is the capital of France?"), SamplingParams(max_tokens=24))
+    assert "Paris" in r.text
+    assert r.finish_reason.value == "stop"  # the model ends its turn with <|im_end|>
+
+
+def test_lanes_match_running_alone_with_pool_on_and_off(loaded) -> None:
+    prompts = [_chat(loaded, q) for q in ("Name a fruit.", "What is 2+2?", "Say hi.", "Name a color.")]
+    params = SamplingParams(max_tokens=12, ignore_eos=True)
+    with Engine(EngineConfig(max_context=256, parallel=1), loaded=loaded) as eng:
+        alone = [eng.complete(p, params).token_ids for p in prompts]
+    for pool in (None, 512):
+        cfg = EngineConfig(max_context=256, parallel=4, kv_pool_tokens=pool, kv_chunk=64)
+        with Engine(cfg, loaded=loaded) as eng:
+            handles = [eng.generate(p, params) for p in prompts]
+            assert [h.result().token_ids for h in handles] == alone
