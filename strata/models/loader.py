@@ -14,8 +14,6 @@ import sys
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
-
 import torch
 from tqdm import tqdm
 
@@ -27,18 +25,20 @@ from strata.models.config import config_from_gguf, config_from_hf, gguf_architec
 from strata.models.layers import DecoderModel
 from strata.models.naming import Part, gguf_parts, hf_parts
 from strata.models.sources import GGUFSource, SafetensorsSource, WeightSource
+from strata.tokenizer import Tokenizer
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 DEFAULT_DTYPE = torch.bfloat16  # batch-invariant matmul on the CPU: see docs/ARCHITECTURE.md
 
 PartsOf = Callable[[str, int], list[Part]]
+Opened = tuple[WeightSource, Architecture, ModelConfig, PartsOf, Callable[[], Tokenizer | None]]
 
 
 @dataclass
 class LoadedModel:
     model: DecoderModel
     config: ModelConfig
-    tokenizer: Any  # strata.tokenizer.Tokenizer, or None where none is wired yet
+    tokenizer: Tokenizer | None  # None when the file or folder carries no tokenizer
     identity: str  # sha256 of tensor names, shapes and types: ties session files to weights
     name: str  # file stem or folder name, as shown to API clients
     path: str
@@ -72,7 +72,12 @@ def load_model(
     dtype: str | torch.dtype = "auto",
     progress: bool = True,
 ) -> LoadedModel:
-    """Load a `.gguf` file or an HF folder (config.json + safetensors); None: the embedded default."""
+    """Load a `.gguf` file or an HF folder (config.json + safetensors); None: the embedded default.
+
+    The tokenizer comes from the GGUF metadata or the folder's tokenizer.json;
+    a file without one (a random-weight benchmark file) gives tokenizer None,
+    while a broken one is a ModelLoadError like any other bad input.
+    """
     path = str(default_model_path()) if path is None else str(path)
     p = Path(path)
     if not p.exists():
@@ -80,9 +85,10 @@ def load_model(
     dev = resolve_device(device, path)
     dt = resolve_dtype(dtype)
     if p.is_dir():
-        source, arch, cfg, parts_of = _open_folder(p)
+        source, arch, cfg, parts_of, make_tokenizer = _open_folder(p)
     else:
-        source, arch, cfg, parts_of = _open_gguf(p, dev)
+        source, arch, cfg, parts_of, make_tokenizer = _open_gguf(p)
+    tokenizer = make_tokenizer()  # before the weights: a bad tokenizer fails fast too
     with torch.device("meta"):
         model = arch.model_class(cfg)
     _fill(model, source, parts_of, path, dev, dt, progress)
@@ -91,7 +97,7 @@ def load_model(
     return LoadedModel(
         model=model,
         config=cfg,
-        tokenizer=None,
+        tokenizer=tokenizer,
         identity=source.identity(),
         name=p.name if p.is_dir() else p.stem,
         path=path,
@@ -100,7 +106,7 @@ def load_model(
     )
 
 
-def _open_folder(p: Path) -> tuple[WeightSource, Architecture, ModelConfig, PartsOf]:
+def _open_folder(p: Path) -> Opened:
     path = str(p)
     cfg_file = p / "config.json"
     if not cfg_file.is_file():
@@ -114,7 +120,11 @@ def _open_folder(p: Path) -> tuple[WeightSource, Architecture, ModelConfig, Part
     arch, cfg = config_from_hf(path, raw)
     cfg.eos_token_ids = list(dict.fromkeys(cfg.eos_token_ids + _generation_eos(p)))
     source = SafetensorsSource(p)
-    return source, arch, cfg, lambda name, rows: hf_parts(name, rows, cfg)
+
+    def tokenizer() -> Tokenizer | None:
+        return Tokenizer.from_folder(p) if (p / "tokenizer.json").is_file() else None
+
+    return source, arch, cfg, lambda name, rows: hf_parts(name, rows, cfg), tokenizer
 
 
 def _generation_eos(p: Path) -> list[int]:
@@ -129,7 +139,7 @@ def _generation_eos(p: Path) -> list[int]:
     return [int(e) for e in eos] if isinstance(eos, list) else [int(eos)]
 
 
-def _open_gguf(p: Path, dev: torch.device) -> tuple[WeightSource, Architecture, ModelConfig, PartsOf]:
+def _open_gguf(p: Path) -> Opened:
     path = str(p)
     source = GGUFSource(path)
     meta = source.file.metadata
@@ -143,7 +153,13 @@ def _open_gguf(p: Path, dev: torch.device) -> tuple[WeightSource, Architecture, 
         raise ModelLoadError(
             path, f"tensor rope_freqs.weight has {len(factors)} entries, expected {cfg.head_dim // 2}"
         )
-    return source, arch, cfg, lambda name, rows: gguf_parts(name, rows, cfg, arch)
+
+    def tokenizer() -> Tokenizer | None:
+        if "tokenizer.ggml.tokens" not in meta:
+            return None
+        return Tokenizer.from_gguf_metadata(meta, path)
+
+    return source, arch, cfg, lambda name, rows: gguf_parts(name, rows, cfg, arch), tokenizer
 
 
 def _fill(

@@ -5,7 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 from dense_context import greedy, prompt_logits
-from tiny_models import CONFIGS, PROMPT, hf_greedy, hf_logits, save_tiny
+from tiny_models import CONFIGS, PROMPT, hf_greedy, hf_logits, save_byte_tokenizer, save_tiny
+from transformers import AutoTokenizer
 
 from strata.models import load_model
 
@@ -32,6 +33,17 @@ def test_config_and_metadata(tmp_path) -> None:
     assert loaded.name == tmp_path.name
     assert len(loaded.identity) == 64
     assert loaded.model.embed_tokens.weight.dtype == torch.float32
+
+
+def test_folder_tokenizer(tmp_path) -> None:
+    save_tiny("llama_plain", tmp_path)
+    assert load_model(str(tmp_path), device="cpu", progress=False).tokenizer is None
+    save_byte_tokenizer(tmp_path)
+    tok = load_model(str(tmp_path), device="cpu", progress=False).tokenizer
+    text = "Strata, déjà vu!"
+    assert tok is not None
+    assert tok.encode(text) == AutoTokenizer.from_pretrained(tmp_path).encode(text)
+    assert tok.decode(tok.encode(text)) == text
 
 
 def test_bfloat16_weights_are_used_in_place(tmp_path) -> None:

@@ -45,6 +45,8 @@ CONFIGS = {
     "llama_plain": lambda: LlamaConfig(**COMMON, rope_parameters={"rope_type": "default", "rope_theta": 10000.0}),
     "qwen2": lambda: Qwen2Config(**COMMON, tie_word_embeddings=True),
     "qwen3": lambda: Qwen3Config(**COMMON, head_dim=32),
+    # transformers' GGUF loader ignores qwen3's key_length and assumes 128
+    "qwen3_hd128": lambda: Qwen3Config(**COMMON, head_dim=128),
 }
 
 PROMPT = [1, 17, 200, 33, 5, 90, 91, 255, 4, 64, 128, 7, 7, 42, 100, 3, 250, 12, 61, 8]
@@ -70,6 +72,19 @@ def save_tiny(kind: str, folder: Path, seed: int = 0) -> torch.nn.Module:
     return model
 
 
+def save_byte_tokenizer(folder: Path) -> None:
+    """A 256-token byte-level BPE without merges: one token per byte, fits vocab 256."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    alphabet = pre_tokenizers.ByteLevel.alphabet()
+    vocab = {ch: i for i, ch in enumerate(sorted(alphabet))}
+    backend = Tokenizer(models.BPE(vocab=vocab, merges=[]))
+    backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    backend.decoder = decoders.ByteLevel()
+    PreTrainedTokenizerFast(tokenizer_object=backend).save_pretrained(folder)
+
+
 @torch.inference_mode()
 def hf_logits(model: torch.nn.Module, ids: list[int]) -> torch.Tensor:
     return model(torch.tensor([ids])).logits[0].float()
@@ -77,12 +92,15 @@ def hf_logits(model: torch.nn.Module, ids: list[int]) -> torch.Tensor:
 
 @torch.inference_mode()
 def hf_greedy(model: torch.nn.Module, ids: list[int], n: int) -> list[int]:
+    """n greedy tokens; EOS neither stops nor is suppressed (min_new_tokens would mask it)."""
+    model.generation_config.eos_token_id = None
     out = model.generate(
         torch.tensor([ids]),
         attention_mask=torch.ones(1, len(ids), dtype=torch.long),
         max_new_tokens=n,
-        min_new_tokens=n,
         do_sample=False,
         pad_token_id=0,
     )
-    return out[0, len(ids):].tolist()
+    tokens = out[0, len(ids):].tolist()
+    assert len(tokens) == n
+    return tokens

@@ -1,0 +1,132 @@
+"""Write a tiny transformers model as a GGUF file, the way llama.cpp's converter lays it out.
+
+That means llama.cpp's tensor names, llama's Q/K rows permuted for its RoPE
+kernel, Llama 3 rope scaling as a `rope_freqs.weight` tensor, and some
+tensors quantized, so loading it exercises every path of the GGUF loader.
+"""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import numpy as np
+import torch
+from gguf import GGMLQuantizationType as Q
+from gguf import GGUFWriter, RopeScalingType
+from gguf.quants import quantize
+
+LAYER_NAMES = {
+    "input_layernorm": "attn_norm",
+    "self_attn.q_proj": "attn_q",
+    "self_attn.k_proj": "attn_k",
+    "self_attn.v_proj": "attn_v",
+    "self_attn.o_proj": "attn_output",
+    "self_attn.q_norm": "attn_q_norm",
+    "self_attn.k_norm": "attn_k_norm",
+    "post_attention_layernorm": "ffn_norm",
+    "mlp.gate_proj": "ffn_gate",
+    "mlp.up_proj": "ffn_up",
+    "mlp.down_proj": "ffn_down",
+}
+
+# the quantized types of this test file: at least one of each block family
+DEFAULT_TYPES = {"attn_q.weight": Q.Q8_0, "attn_k.weight": Q.Q8_0, "ffn_down.weight": Q.Q8_0,
+                 "ffn_gate.weight": Q.Q4_0, "token_embd.weight": Q.F16}
+
+
+def gguf_name(hf_name: str) -> str:
+    if hf_name == "model.embed_tokens.weight":
+        return "token_embd.weight"
+    if hf_name == "model.norm.weight":
+        return "output_norm.weight"
+    if hf_name == "lm_head.weight":
+        return "output.weight"
+    _, _, layer, rest = hf_name.split(".", 3)
+    module, kind = rest.rsplit(".", 1)
+    return f"blk.{layer}.{LAYER_NAMES[module]}.{kind}"
+
+
+def permute_rows(w: np.ndarray, n_heads: int) -> np.ndarray:
+    """llama.cpp's converter: each head's two rotary halves become interleaved row pairs."""
+    return w.reshape(n_heads, 2, w.shape[0] // n_heads // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+def llama3_freq_factors(cfg) -> np.ndarray:
+    """What llama.cpp's converter stores as rope_freqs.weight for Llama 3 scaling."""
+    p = cfg.rope_parameters
+    dim = cfg.hidden_size // cfg.num_attention_heads
+    freqs = 1.0 / (p["rope_theta"] ** (np.arange(0, dim, 2, dtype=np.float32) / dim))
+    factor, low, high = p["factor"], p["low_freq_factor"], p["high_freq_factor"]
+    old = p["original_max_position_embeddings"]
+    out = []
+    for f in freqs:
+        wavelen = 2 * math.pi / f
+        if wavelen < old / high:
+            out.append(1.0)
+        elif wavelen > old / low:
+            out.append(factor)
+        else:
+            smooth = (old / wavelen - low) / (high - low)
+            out.append(1 / ((1 - smooth) / factor + smooth))
+    return np.array(out, dtype=np.float32)
+
+
+def write_gguf(model: torch.nn.Module, path: Path, arch: str, types: dict[str, Q] | None = None,
+               raw: dict[str, tuple[np.ndarray, Q]] | None = None, skip: tuple[str, ...] = ()) -> Path:
+    """`types`: tensor-name suffix -> GGML type (F32 otherwise); `raw`: tensors written as
+    given bytes; `skip`: full tensor names left out."""
+    types = DEFAULT_TYPES if types is None else types
+    raw = raw or {}
+    cfg = model.config
+    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+    w = GGUFWriter(str(path), arch)
+    w.add_name("tiny")
+    w.add_block_count(cfg.num_hidden_layers)
+    w.add_context_length(cfg.max_position_embeddings)
+    w.add_embedding_length(cfg.hidden_size)
+    w.add_feed_forward_length(cfg.intermediate_size)
+    w.add_head_count(cfg.num_attention_heads)
+    w.add_head_count_kv(cfg.num_key_value_heads)
+    w.add_key_length(head_dim)
+    w.add_value_length(head_dim)
+    w.add_rope_dimension_count(head_dim)
+    w.add_rope_freq_base(cfg.rope_parameters["rope_theta"])
+    w.add_layer_norm_rms_eps(cfg.rms_norm_eps)
+    w.add_vocab_size(cfg.vocab_size)
+    w.add_bos_token_id(cfg.bos_token_id)
+    w.add_eos_token_id(cfg.eos_token_id)
+    if cfg.rope_parameters.get("rope_type") == "llama3":
+        w.add_tensor("rope_freqs.weight", llama3_freq_factors(cfg))
+    elif cfg.rope_parameters.get("rope_type") == "linear":
+        w.add_rope_scaling_type(RopeScalingType.LINEAR)
+        w.add_rope_scaling_factor(cfg.rope_parameters["factor"])
+    tied = cfg.tie_word_embeddings
+    for hf_name, t in model.state_dict().items():
+        if tied and hf_name == "lm_head.weight":
+            continue
+        name = gguf_name(hf_name)
+        if name in skip:
+            continue
+        data = t.detach().float().numpy()
+        if arch == "llama" and ".attn_q." in name:
+            data = permute_rows(data, cfg.num_attention_heads)
+        elif arch == "llama" and ".attn_k." in name:
+            data = permute_rows(data, cfg.num_key_value_heads)
+        suffix = name.split(".", 2)[-1] if name.startswith("blk.") else name
+        if suffix in raw:
+            blob, kind = raw[suffix]
+            w.add_tensor(name, blob, raw_dtype=kind)
+            continue
+        kind = types.get(suffix, Q.F32)
+        if kind == Q.F32:
+            w.add_tensor(name, data)
+        elif kind == Q.F16:
+            w.add_tensor(name, data.astype(np.float16))
+        else:
+            w.add_tensor(name, quantize(data, kind), raw_dtype=kind)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return path
