@@ -10,7 +10,7 @@ import hashlib
 import os
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
 import numpy as np
 import torch
@@ -63,7 +63,7 @@ class GGUFFile:
     def __repr__(self) -> str:
         return f"GGUFFile({str(self.path)!r}, {self.architecture}, {len(self.tensors)} tensors)"
 
-    def _fail(self, problem: str) -> Any:
+    def _fail(self, problem: str) -> NoReturn:
         raise ModelLoadError(str(self.path), problem)
 
     def _tensor(self, name: str) -> ReaderTensor:

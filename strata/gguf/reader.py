@@ -86,7 +86,10 @@ def open_reader(path: Path) -> GGUFReader:
     except _ShortRead as e:
         end = e.offset + e.needed
         if e.in_tensor_data:
-            problem = f"file is truncated: tensor data runs to byte {end:,} but the file has {e.size:,}"
+            problem = (
+                f"file is truncated: tensor data runs to byte {end:,} "
+                f"but the file has {e.size:,}"
+            )
         else:
             problem = (
                 f"header runs past the end of the file (to byte {end:,} of {e.size:,}): "
@@ -137,5 +140,6 @@ def read_metadata(path: Path, reader: GGUFReader) -> dict[str, Any]:
         try:
             out[key] = field_value(reader, key)
         except (ValueError, IndexError, TypeError) as e:
-            raise ModelLoadError(str(path), f"corrupt metadata value {key!r}: {_one_line(e)}") from None
+            problem = f"corrupt metadata value {key!r}: {_one_line(e)}"
+            raise ModelLoadError(str(path), problem) from None
     return out

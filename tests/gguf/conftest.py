@@ -112,3 +112,4 @@ def default_path() -> Path:
 @pytest.fixture(scope="session")
 def default_file(default_path: Path) -> GGUFFile:
     return GGUFFile(default_path)
+

@@ -8,7 +8,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 from conftest import WriteGGUF
-from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
+from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFEndian
 
 from strata.errors import ModelLoadError
 from strata.gguf import GGUFFile
@@ -38,7 +38,9 @@ def test_directory(tmp_path: Path) -> None:
     assert "not a regular file" in open_error(tmp_path).problem
 
 
-@pytest.mark.parametrize("content", [b"", b"GG", b"hello, this is a text file\n", b"PK\x03\x04" * 64])
+@pytest.mark.parametrize(
+    "content", [b"", b"GG", b"hello, this is a text file\n", b"PK\x03\x04" * 64]
+)
 def test_not_gguf(tmp_path: Path, content: bytes) -> None:
     path = tmp_path / "model.gguf"
     path.write_bytes(content)
@@ -98,8 +100,6 @@ def test_absurd_string_length(tmp_path: Path, write_gguf: WriteGGUF) -> None:
 
 
 def test_big_endian_file(write_gguf: WriteGGUF) -> None:
-    from gguf import GGUFEndian
-
     w = np.ones((2, 32), dtype=np.float32)
     path = write_gguf("be.gguf", [("w", w, None)], endianess=GGUFEndian.BIG)
     assert "big-endian" in open_error(path).problem
