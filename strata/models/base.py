@@ -40,7 +40,7 @@ class ModelConfig:
 
     @property
     def attn_scale(self) -> float:
-        return self.head_dim ** -0.5
+        return self.head_dim**-0.5
 
 
 class AttentionContext(Protocol):
@@ -52,8 +52,6 @@ class AttentionContext(Protocol):
     ones up to and including itself.
     """
 
-    def attend(
-        self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
-    ) -> torch.Tensor:
+    def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         """q: [T, Hq, D], k/v: [T, Hkv, D] -> [T, Hq, D]."""
         ...

@@ -8,7 +8,7 @@ ModelLoadError, before any weight is read.
 from __future__ import annotations
 
 from collections.abc import Collection
-from typing import Any
+from typing import Any, NoReturn
 
 from strata.errors import ModelLoadError
 from strata.models import registry
@@ -28,15 +28,20 @@ def _eos_list(value: Any) -> list[int]:
 def _check_rope(path: str, scaling: dict[str, Any] | None) -> dict[str, Any] | None:
     kind = rope_type(scaling)
     if kind not in SUPPORTED_ROPE_TYPES:
-        raise ModelLoadError(
-            path,
-            f"rope scaling {kind!r} is not supported (supported: {', '.join(SUPPORTED_ROPE_TYPES)})",
-        )
+        _unsupported_rope(path, kind)
     if kind == "default" or scaling is None:
         return None
     if kind in ("linear", "llama3") and "factor" not in scaling:
         raise ModelLoadError(path, f"rope scaling {kind!r} lacks its factor")
-    return {"rope_type": kind, **{k: v for k, v in scaling.items() if k not in ("type", "rope_type", "rope_theta")}}
+    return {
+        "rope_type": kind,
+        **{k: v for k, v in scaling.items() if k not in ("type", "rope_type", "rope_theta")},
+    }
+
+
+def _unsupported_rope(path: str, kind: str) -> NoReturn:
+    scalings = ", ".join(k for k in SUPPORTED_ROPE_TYPES if k != "default")
+    raise ModelLoadError(path, f"rope scaling {kind!r} is not supported (supported: {scalings})")
 
 
 def _hf_architecture(path: str, d: dict[str, Any]) -> Architecture:
@@ -101,7 +106,8 @@ def gguf_architecture(path: str, metadata: dict[str, Any]) -> Architecture:
     arch = registry.by_gguf_name(name)
     if arch is None:
         raise ModelLoadError(
-            path, f"unsupported architecture {name or '(none given)'}; supported: {registry.supported()}"
+            path,
+            f"unsupported architecture {name or '(none given)'}; supported: {registry.supported()}",
         )
     return arch
 
@@ -146,7 +152,9 @@ def config_from_gguf(
     if vocab is None and metadata.get("tokenizer.ggml.tokens") is not None:
         vocab = len(metadata["tokenizer.ggml.tokens"])
     if vocab is None:
-        raise ModelLoadError(path, f"GGUF metadata gives no vocabulary size ({a}.vocab_size or tokens)")
+        raise ModelLoadError(
+            path, f"GGUF metadata gives no vocabulary size ({a}.vocab_size or tokens)"
+        )
 
     kind = str(get("rope.scaling.type", "none"))
     factor = get("rope.scaling.factor", get("rope.scale_linear"))
@@ -154,7 +162,7 @@ def config_from_gguf(
     if kind == "linear" or (kind == "none" and factor not in (None, 1.0)):
         scaling = {"rope_type": "linear", "factor": float(factor if factor is not None else 1.0)}
     elif kind != "none":
-        raise ModelLoadError(path, f"rope scaling {kind!r} is not supported (supported: linear, llama3)")
+        _unsupported_rope(path, kind)
 
     bias = arch.attention_bias
     cfg = ModelConfig(

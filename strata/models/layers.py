@@ -28,8 +28,7 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        h = x.float()
-        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
+        h = F.rms_norm(x.float(), self.weight.shape, eps=self.eps)
         return self.weight * h.to(x.dtype)
 
 
@@ -42,11 +41,11 @@ class Attention(nn.Module):
         self.num_heads = cfg.num_heads
         self.num_kv_heads = cfg.num_kv_heads
         self.head_dim = cfg.head_dim
-        q_size = cfg.num_heads * cfg.head_dim
-        kv_size = cfg.num_kv_heads * cfg.head_dim
-        self.sizes = [q_size, kv_size, kv_size]
-        self.qkv_proj = nn.Linear(cfg.hidden_size, q_size + 2 * kv_size, bias=cfg.attention_bias)
-        self.o_proj = nn.Linear(q_size, cfg.hidden_size, bias=False)
+        self.qk_heads = cfg.num_heads + cfg.num_kv_heads
+        self.q_size = cfg.num_heads * cfg.head_dim
+        qkv_rows = (self.qk_heads + cfg.num_kv_heads) * cfg.head_dim
+        self.qkv_proj = nn.Linear(cfg.hidden_size, qkv_rows, bias=cfg.attention_bias)
+        self.o_proj = nn.Linear(self.q_size, cfg.hidden_size, bias=False)
         self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
         self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
 
@@ -54,17 +53,17 @@ class Attention(nn.Module):
         self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, ctx: AttentionContext
     ) -> torch.Tensor:
         t = x.shape[0]
-        q, k, v = self.qkv_proj(x).split(self.sizes, dim=-1)
-        q = q.view(t, self.num_heads, self.head_dim)
-        k = k.view(t, self.num_kv_heads, self.head_dim)
-        v = v.contiguous().view(t, self.num_kv_heads, self.head_dim)
+        hq = self.num_heads
+        qkv = self.qkv_proj(x).view(t, -1, self.head_dim)
+        qk = qkv[:, : self.qk_heads]
         if self.q_norm is not None and self.k_norm is not None:
-            q = self.q_norm(q)
-            k = self.k_norm(k)
-        q = apply_rope(q, cos, sin)
-        k = apply_rope(k, cos, sin)
+            qk = torch.cat((self.q_norm(qk[:, :hq]), self.k_norm(qk[:, hq:])), dim=1)
+        qk = apply_rope(qk, cos, sin)  # q and k heads rotated together: one set of ops
+        q = qk[:, :hq]
+        k = qk[:, hq:].contiguous()
+        v = qkv[:, self.qk_heads :].contiguous()
         out = ctx.attend(self.layer_index, q, k, v)
-        return self.o_proj(out.reshape(t, self.sizes[0]))
+        return self.o_proj(out.reshape(t, self.q_size))
 
 
 class MLP(nn.Module):

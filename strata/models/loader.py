@@ -14,6 +14,7 @@ import sys
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+
 import torch
 from tqdm import tqdm
 
@@ -47,7 +48,7 @@ class LoadedModel:
 
 
 def resolve_device(device: str | torch.device, path: str) -> torch.device:
-    """"auto" picks CUDA when present; asking for CUDA without it is a load error."""
+    """ "auto" picks CUDA when present; asking for CUDA without it is a load error."""
     if str(device) == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
     dev = torch.device(device)
@@ -110,7 +111,9 @@ def _open_folder(p: Path) -> Opened:
     path = str(p)
     cfg_file = p / "config.json"
     if not cfg_file.is_file():
-        raise ModelLoadError(path, "folder has no config.json (a model folder needs config.json and *.safetensors)")
+        raise ModelLoadError(
+            path, "folder has no config.json (a model folder needs config.json and *.safetensors)"
+        )
     try:
         raw = json.loads(cfg_file.read_text())
     except (ValueError, OSError) as e:
@@ -151,7 +154,8 @@ def _open_gguf(p: Path) -> Opened:
     arch, cfg = config_from_gguf(path, meta, source.names(), factors)
     if factors is not None and len(factors) != cfg.head_dim // 2:
         raise ModelLoadError(
-            path, f"tensor rope_freqs.weight has {len(factors)} entries, expected {cfg.head_dim // 2}"
+            path,
+            f"tensor rope_freqs.weight has {len(factors)} entries, expected {cfg.head_dim // 2}",
         )
 
     def tokenizer() -> Tokenizer | None:
@@ -188,8 +192,14 @@ def _fill(
             source.check(part.name)
         plan[pname] = parts
     state: dict[str, torch.Tensor] = {}
-    bar = tqdm(plan.items(), desc=f"loading {Path(path).name}", unit="tensor",
-               file=sys.stderr, disable=not progress, leave=False)
+    bar = tqdm(
+        plan.items(),
+        desc=f"loading {Path(path).name}",
+        unit="tensor",
+        file=sys.stderr,
+        disable=not progress,
+        leave=False,
+    )
     for pname, parts in bar:
         pieces = []
         for part in parts:

@@ -78,7 +78,7 @@ def hf_parts(param: str, rows: int, cfg: ModelConfig) -> list[Part]:
     layer, rest = m.groups()
     names = _HF_LAYER[rest]
     counts = _rows(cfg, rest, rows, len(names))
-    return [Part(f"model.layers.{layer}.{n}", r) for n, r in zip(names, counts)]
+    return [Part(f"model.layers.{layer}.{n}", r) for n, r in zip(names, counts, strict=True)]
 
 
 def unpermute_rows(t: torch.Tensor, n_heads: int) -> torch.Tensor:
@@ -108,4 +108,4 @@ def gguf_parts(param: str, rows: int, cfg: ModelConfig, arch: Architecture) -> l
     if arch.gguf_qk_permuted and rest.startswith("self_attn.qkv_proj"):
         fixes[0] = lambda t: unpermute_rows(t, cfg.num_heads)
         fixes[1] = lambda t: unpermute_rows(t, cfg.num_kv_heads)
-    return [Part(f"blk.{layer}.{n}", r, f) for n, r, f in zip(names, counts, fixes)]
+    return [Part(f"blk.{layer}.{n}", r, f) for n, r, f in zip(names, counts, fixes, strict=True)]

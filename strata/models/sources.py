@@ -87,7 +87,9 @@ class SafetensorsSource:
             files = sorted(p.name for p in folder.glob("*.safetensors"))
         if not files:
             found = "pytorch .bin weights only" if any(folder.glob("*.bin")) else "no weights"
-            raise ModelLoadError(self.folder, f"no *.safetensors files ({found}); Strata reads safetensors")
+            raise ModelLoadError(
+                self.folder, f"no *.safetensors files ({found}); Strata reads safetensors"
+            )
         self._handles: dict[str, Any] = {}
         self._file_of: dict[str, Any] = {}
         for fname in files:
@@ -114,7 +116,9 @@ class SafetensorsSource:
     def check(self, name: str) -> None:
         kind = self._dtype(name)
         if kind not in ("F32", "F16", "BF16", "F64"):
-            raise ModelLoadError(self.folder, f"tensor {name} has dtype {kind}, which is not supported")
+            raise ModelLoadError(
+                self.folder, f"tensor {name} has dtype {kind}, which is not supported"
+            )
 
     def load(self, name: str, device: torch.device, dtype: torch.dtype) -> torch.Tensor:
         return self._file_of[name].get_tensor(name).to(device=device, dtype=dtype)

@@ -34,8 +34,11 @@ class DenseContext:
         t, s = q.shape[0], keys.shape[0]
         mask = torch.arange(s)[None, :] <= (start + torch.arange(t))[:, None]
         out = F.scaled_dot_product_attention(
-            q.transpose(0, 1), keys.transpose(0, 1), values.transpose(0, 1),
-            attn_mask=mask, scale=self.cfg.attn_scale,
+            q.transpose(0, 1),
+            keys.transpose(0, 1),
+            values.transpose(0, 1),
+            attn_mask=mask,
+            scale=self.cfg.attn_scale,
         )
         return out.transpose(0, 1)
 

@@ -31,8 +31,13 @@ LAYER_NAMES = {
 }
 
 # the quantized types of this test file: at least one of each block family
-DEFAULT_TYPES = {"attn_q.weight": Q.Q8_0, "attn_k.weight": Q.Q8_0, "ffn_down.weight": Q.Q8_0,
-                 "ffn_gate.weight": Q.Q4_0, "token_embd.weight": Q.F16}
+DEFAULT_TYPES = {
+    "attn_q.weight": Q.Q8_0,
+    "attn_k.weight": Q.Q8_0,
+    "ffn_down.weight": Q.Q8_0,
+    "ffn_gate.weight": Q.Q4_0,
+    "token_embd.weight": Q.F16,
+}
 
 
 def gguf_name(hf_name: str) -> str:
@@ -49,7 +54,11 @@ def gguf_name(hf_name: str) -> str:
 
 def permute_rows(w: np.ndarray, n_heads: int) -> np.ndarray:
     """llama.cpp's converter: each head's two rotary halves become interleaved row pairs."""
-    return w.reshape(n_heads, 2, w.shape[0] // n_heads // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+    return (
+        w.reshape(n_heads, 2, w.shape[0] // n_heads // 2, *w.shape[1:])
+        .swapaxes(1, 2)
+        .reshape(w.shape)
+    )
 
 
 def llama3_freq_factors(cfg) -> np.ndarray:
@@ -72,8 +81,14 @@ def llama3_freq_factors(cfg) -> np.ndarray:
     return np.array(out, dtype=np.float32)
 
 
-def write_gguf(model: torch.nn.Module, path: Path, arch: str, types: dict[str, Q] | None = None,
-               raw: dict[str, tuple[np.ndarray, Q]] | None = None, skip: tuple[str, ...] = ()) -> Path:
+def write_gguf(
+    model: torch.nn.Module,
+    path: Path,
+    arch: str,
+    types: dict[str, Q] | None = None,
+    raw: dict[str, tuple[np.ndarray, Q]] | None = None,
+    skip: tuple[str, ...] = (),
+) -> Path:
     """`types`: tensor-name suffix -> GGML type (F32 otherwise); `raw`: tensors written as
     given bytes; `skip`: full tensor names left out."""
     types = DEFAULT_TYPES if types is None else types

@@ -1,4 +1,4 @@
-"""The embedded SmolLM2 GGUF through Strata agrees with transformers' GGUF loading of the same file."""
+"""The embedded SmolLM2 GGUF through Strata agrees with transformers loading the same file."""
 
 from __future__ import annotations
 
@@ -16,9 +16,45 @@ from strata.models import load_model
 
 # "What is the capital of France?" through SmolLM2's chat template (system
 # prompt included, generation prompt added), as its own tokenizer encodes it.
-PROMPT = [1, 9690, 198, 2683, 359, 253, 5356, 5646, 11173, 3365, 3511, 308, 34519, 28, 7018,
-          411, 407, 19712, 8182, 2, 198, 1, 4093, 198, 1780, 314, 260, 3575, 282, 4649, 47, 2,
-          198, 1, 520, 9531, 198]
+PROMPT = [
+    1,
+    9690,
+    198,
+    2683,
+    359,
+    253,
+    5356,
+    5646,
+    11173,
+    3365,
+    3511,
+    308,
+    34519,
+    28,
+    7018,
+    411,
+    407,
+    19712,
+    8182,
+    2,
+    198,
+    1,
+    4093,
+    198,
+    1780,
+    314,
+    260,
+    3575,
+    282,
+    4649,
+    47,
+    2,
+    198,
+    1,
+    520,
+    9531,
+    198,
+]
 
 
 @pytest.mark.slow
@@ -28,7 +64,9 @@ def test_default_model_matches_transformers(monkeypatch) -> None:
     monkeypatch.setattr(gguf, "get_tensor_name_map", functools.cache(gguf.get_tensor_name_map))
     path = default_model_path()
     loaded = load_model(None, device="cpu", dtype="float32", progress=False)
-    ref = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=torch.float32)
+    ref = AutoModelForCausalLM.from_pretrained(
+        path.parent, gguf_file=path.name, dtype=torch.float32
+    )
 
     chat = [{"role": "user", "content": "What is the capital of France?"}]
     assert loaded.tokenizer.encode(loaded.tokenizer.apply_chat_template(chat)) == PROMPT

@@ -67,15 +67,20 @@ def test_unsupported_rope_scaling(tmp_path) -> None:
 def test_unsupported_quantization(tmp_path) -> None:
     # IQ4_NL: 18-byte blocks of 32 weights; ffn_down is [64, 128], so 4 blocks a row
     blob = np.random.default_rng(0).integers(0, 255, size=(64, 72), dtype=np.uint8)
-    path = write_gguf(tiny_hf_model("llama_plain"), tmp_path / "t.gguf", "llama",
-                      raw={"ffn_down.weight": (blob, Q.IQ4_NL)})
+    path = write_gguf(
+        tiny_hf_model("llama_plain"),
+        tmp_path / "t.gguf",
+        "llama",
+        raw={"ffn_down.weight": (blob, Q.IQ4_NL)},
+    )
     problem = load_error(path).problem
     assert "blk.0.ffn_down.weight" in problem and "IQ4_NL" in problem and "Q8_0" in problem
 
 
 def test_missing_tensor_in_gguf(tmp_path) -> None:
-    path = write_gguf(tiny_hf_model("llama_plain"), tmp_path / "t.gguf", "llama",
-                      skip=("blk.1.ffn_up.weight",))
+    path = write_gguf(
+        tiny_hf_model("llama_plain"), tmp_path / "t.gguf", "llama", skip=("blk.1.ffn_up.weight",)
+    )
     assert load_error(path).problem == "missing tensor blk.1.ffn_up.weight"
 
 

@@ -22,7 +22,9 @@ def test_quantized_gguf_matches_transformers_gguf(kind: str, tmp_path) -> None:
     loaded = load_model(str(tmp_path / "tiny.gguf"), device="cpu", dtype="float32", progress=False)
 
     assert loaded.config.arch == ARCH_OF[kind]
-    torch.testing.assert_close(prompt_logits(loaded, PROMPT), hf_logits(ref, PROMPT), atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(
+        prompt_logits(loaded, PROMPT), hf_logits(ref, PROMPT), atol=1e-4, rtol=1e-4
+    )
     assert greedy(loaded, PROMPT, 32) == hf_greedy(ref, PROMPT, 32)
 
 
@@ -41,7 +43,9 @@ def test_gguf_rope_scaling_matches_transformers(kind: str, tmp_path) -> None:
         assert cfg.rope_freq_factors is not None and max(cfg.rope_freq_factors) == 8.0
     else:
         assert cfg.rope_scaling == {"rope_type": "linear", "factor": 2.0}
-    torch.testing.assert_close(prompt_logits(loaded, PROMPT), hf_logits(hf, PROMPT), atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(
+        prompt_logits(loaded, PROMPT), hf_logits(hf, PROMPT), atol=1e-4, rtol=1e-4
+    )
     assert greedy(loaded, PROMPT, 32) == hf_greedy(hf, PROMPT, 32)
 
 
@@ -50,7 +54,9 @@ def test_gguf_identity_follows_layout(tmp_path) -> None:
     hf = tiny_hf_model("llama_plain")
     a = load_model(str(write_gguf(hf, tmp_path / "a.gguf", "llama")), device="cpu", progress=False)
     b = load_model(str(write_gguf(hf, tmp_path / "b.gguf", "llama")), device="cpu", progress=False)
-    c = load_model(str(write_gguf(hf, tmp_path / "c.gguf", "llama", types={})), device="cpu", progress=False)
+    c = load_model(
+        str(write_gguf(hf, tmp_path / "c.gguf", "llama", types={})), device="cpu", progress=False
+    )
     assert a.identity == b.identity != c.identity
     assert a.dtype == torch.bfloat16 and a.model.norm.weight.dtype == torch.bfloat16
     assert a.name == "a"

@@ -1,4 +1,4 @@
-"""Each architecture from a Hugging Face folder agrees with transformers: logits and greedy tokens."""
+"""Each architecture from a Hugging Face folder agrees with transformers: logits, greedy tokens."""
 
 from __future__ import annotations
 

@@ -42,7 +42,9 @@ CONFIGS = {
     "llama_linear": lambda: LlamaConfig(
         **COMMON, rope_parameters={"rope_type": "linear", "rope_theta": 500.0, "factor": 2.0}
     ),
-    "llama_plain": lambda: LlamaConfig(**COMMON, rope_parameters={"rope_type": "default", "rope_theta": 10000.0}),
+    "llama_plain": lambda: LlamaConfig(
+        **COMMON, rope_parameters={"rope_type": "default", "rope_theta": 10000.0}
+    ),
     "qwen2": lambda: Qwen2Config(**COMMON, tie_word_embeddings=True),
     "qwen3": lambda: Qwen3Config(**COMMON, head_dim=32),
     # transformers' GGUF loader ignores qwen3's key_length and assumes 128
@@ -101,6 +103,6 @@ def hf_greedy(model: torch.nn.Module, ids: list[int], n: int) -> list[int]:
         do_sample=False,
         pad_token_id=0,
     )
-    tokens = out[0, len(ids):].tolist()
+    tokens = out[0, len(ids) :].tolist()
     assert len(tokens) == n
     return tokens
