@@ -7,6 +7,7 @@ busy lanes, samples, detokenizes and publishes events to the handles.
 
 from __future__ import annotations
 
+import logging
 import threading
 from collections import deque
 from concurrent.futures import Future
@@ -29,6 +30,8 @@ from strata.kv.formats import make_format
 from strata.kv.pool import KvPool
 from strata.models import load_model
 from strata.tokenizer import IncrementalDetokenizer
+
+log = logging.getLogger("strata.engine")
 
 _KV_AUTO = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}
 
@@ -71,6 +74,7 @@ class Engine:
         self._closed = False
         self._requests = 0
         self.steps = 0
+        self.step_errors = 0
         self._thread = threading.Thread(target=self._loop, name="strata-engine", daemon=True)
         self._thread.start()
 
@@ -101,6 +105,11 @@ class Engine:
         """Blocking convenience: the whole result as one event."""
         return self.generate(prompt_ids, params).result()
 
+    @property
+    def alive(self) -> bool:
+        """Whether the loop thread is running (health checks read this)."""
+        return self._thread.is_alive() and not self._closed
+
     def call(self, fn: Callable[[], Any]) -> Future:
         """Run `fn` in the engine loop between steps; its result or error comes in the Future."""
         fut: Future = Future()
@@ -128,6 +137,7 @@ class Engine:
             "pool_cells_total": pool.total_cells,
             "pool_cells_used": pool.used_cells,
             "pool_cells_free": pool.free_cells,
+            "pool_cells_holding_tokens": sum(len(lane.tokens) for lane in sched.lanes),
             "pool_bytes": pool.total_bytes(),
             "pool_shared": pool.shared,
             "kv_format": pool.fmt.name,
@@ -145,6 +155,7 @@ class Engine:
             "evictions": c.evictions,
             "moves": c.moves,
             "steps": self.steps,
+            "step_errors": self.step_errors,
             "conversation_parks": c.parks,
             "conversation_restores": c.restores,
             "conversation_tokens_restored": c.restored_tokens,
@@ -202,12 +213,13 @@ class Engine:
             try:
                 logits = self.runner.forward(step.seqs, step.tokens, step.sample)
                 self._postprocess(step, logits)
-            except Exception as e:  # a bug must not leave callers waiting forever
+            except Exception as e:  # fail this step's requests; the engine keeps serving
+                log.exception("engine step failed")
+                self.step_errors += 1
                 for lane in step.lanes:
                     if lane.request is not None:
-                        lane.request.handle.fail(e)
+                        lane.request.handle.fail(StrataError(f"internal error in the engine step: {e}"))
                         self.scheduler.release_lane(lane, keep_cache=False)
-                raise
             self.steps += 1
 
     @staticmethod
