@@ -11,57 +11,24 @@ from dense_context import greedy, prompt_logits
 from tiny_models import hf_greedy, hf_logits
 from transformers import AutoModelForCausalLM
 
+import strata.gguf  # noqa: F401  (subclasses gguf.GGUFReader: import it before the memoizing below)
 from strata.default_model import default_model_path
 from strata.models import load_model
 
 # "What is the capital of France?" through SmolLM2's chat template (system
 # prompt included, generation prompt added), as its own tokenizer encodes it.
-PROMPT = [
-    1,
-    9690,
-    198,
-    2683,
-    359,
-    253,
-    5356,
-    5646,
-    11173,
-    3365,
-    3511,
-    308,
-    34519,
-    28,
-    7018,
-    411,
-    407,
-    19712,
-    8182,
-    2,
-    198,
-    1,
-    4093,
-    198,
-    1780,
-    314,
-    260,
-    3575,
-    282,
-    4649,
-    47,
-    2,
-    198,
-    1,
-    520,
-    9531,
-    198,
-]
+PROMPT = [1, 9690, 198, 2683, 359, 253, 5356, 5646, 11173, 3365, 3511, 308, 34519, 28, 7018,
+    411, 407, 19712, 8182, 2, 198, 1, 4093, 198, 1780, 314, 260, 3575, 282, 4649, 47, 2, 198,
+    1, 520, 9531, 198]  # fmt: skip
 
 
 @pytest.mark.slow
 def test_default_model_matches_transformers(monkeypatch) -> None:
     # transformers rebuilds gguf's tensor-name table for every module it maps
-    # (most of its load time here); the table is a pure function, so memoize it.
+    # and parses the file twice (config, then weights): most of its load time.
+    # Both are pure reads, so memoize them.
     monkeypatch.setattr(gguf, "get_tensor_name_map", functools.cache(gguf.get_tensor_name_map))
+    monkeypatch.setattr(gguf, "GGUFReader", functools.cache(gguf.GGUFReader))
     path = default_model_path()
     loaded = load_model(None, device="cpu", dtype="float32", progress=False)
     ref = AutoModelForCausalLM.from_pretrained(
