@@ -32,7 +32,10 @@ class DenseContext:
         keys = keys.repeat_interleave(group, dim=1)
         values = values.repeat_interleave(group, dim=1)
         t, s = q.shape[0], keys.shape[0]
-        mask = torch.arange(s)[None, :] <= (start + torch.arange(t))[:, None]
+        dev = q.device
+        mask = (
+            torch.arange(s, device=dev)[None, :] <= (start + torch.arange(t, device=dev))[:, None]
+        )
         out = F.scaled_dot_product_attention(
             q.transpose(0, 1),
             keys.transpose(0, 1),
@@ -47,21 +50,22 @@ class DenseContext:
 def prompt_logits(loaded, ids: list[int]) -> torch.Tensor:
     """Logits [T, vocab] for every position of one prompt."""
     ctx = DenseContext(loaded.config)
-    ids_t = torch.tensor(ids, dtype=torch.long)
-    hidden = loaded.model(ids_t, torch.arange(len(ids)), ctx)
+    dev = loaded.device
+    ids_t = torch.tensor(ids, dtype=torch.long, device=dev)
+    hidden = loaded.model(ids_t, torch.arange(len(ids), device=dev), ctx)
     return loaded.model.compute_logits(hidden)
 
 
 @torch.inference_mode()
 def greedy(loaded, ids: list[int], n: int) -> list[int]:
     """n greedy tokens after a prompt: one prefill, then one token per step."""
-    model = loaded.model
+    model, dev = loaded.model, loaded.device
     ctx = DenseContext(loaded.config)
-    hidden = model(torch.tensor(ids), torch.arange(len(ids)), ctx)
+    hidden = model(torch.tensor(ids, device=dev), torch.arange(len(ids), device=dev), ctx)
     out = [int(model.compute_logits(hidden[-1:]).argmax(-1))]
     pos = len(ids)
     while len(out) < n:
-        hidden = model(torch.tensor([out[-1]]), torch.tensor([pos]), ctx)
+        hidden = model(torch.tensor([out[-1]], device=dev), torch.tensor([pos], device=dev), ctx)
         out.append(int(model.compute_logits(hidden).argmax(-1)))
         pos += 1
     return out

@@ -35,6 +35,16 @@ def test_config_and_metadata(tmp_path) -> None:
     assert loaded.model.embed_tokens.weight.dtype == torch.float32
 
 
+def test_rope_tables_cover_the_context(tmp_path) -> None:
+    """Tables span max_position_embeddings and can be rebuilt longer (same values below)."""
+    save_tiny("llama", tmp_path)
+    model = load_model(str(tmp_path), device="cpu", dtype="float32", progress=False).model
+    assert model.max_positions == 256
+    cos = model.rope_cos.clone()
+    model.set_max_positions(300)
+    assert model.max_positions == 300 and torch.equal(model.rope_cos[:256], cos)
+
+
 def test_folder_tokenizer(tmp_path) -> None:
     save_tiny("llama_plain", tmp_path)
     assert load_model(str(tmp_path), device="cpu", progress=False).tokenizer is None
