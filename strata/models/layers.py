@@ -33,7 +33,11 @@ class RMSNorm(nn.Module):
 
 
 class Attention(nn.Module):
-    """Projections, q/k norm and RoPE; the attention itself belongs to the context."""
+    """Projections, q/k norm and RoPE; the attention itself belongs to the context.
+
+    q, k and v reach `ctx.attend` contiguous (free for a decode step's single
+    row), so a context may view or copy them without checking strides.
+    """
 
     def __init__(self, cfg: ModelConfig, layer_index: int) -> None:
         super().__init__()
@@ -59,7 +63,7 @@ class Attention(nn.Module):
         if self.q_norm is not None and self.k_norm is not None:
             qk = torch.cat((self.q_norm(qk[:, :hq]), self.k_norm(qk[:, hq:])), dim=1)
         qk = apply_rope(qk, cos, sin)  # q and k heads rotated together: one set of ops
-        q = qk[:, :hq]
+        q = qk[:, :hq].contiguous()
         k = qk[:, hq:].contiguous()
         v = qkv[:, self.qk_heads :].contiguous()
         out = ctx.attend(self.layer_index, q, k, v)
