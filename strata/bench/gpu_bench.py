@@ -69,6 +69,25 @@ def use_gpu_attention(engine: Engine) -> str:
     return cls.__name__
 
 
+def use_decode_graphs(engine: Engine) -> Any:
+    """Route pure decode steps through CUDA graphs, as the proposed runner hook does (docs/GPU.md)."""
+    from strata.kv.triton.graphs import DecodeGraphs
+
+    runner = engine.runner
+    if getattr(runner, "graphs", None) is not None:
+        return runner.graphs
+    graphs = DecodeGraphs(runner.model, engine.pool, runner.num_heads, runner.scale, runner.dtype)
+    eager = runner.forward
+
+    def forward(seqs: list[SeqSpec], tokens: list[int], sample: list[bool]) -> torch.Tensor:
+        if graphs.supports(seqs, sample):
+            return graphs.forward(seqs, tokens)
+        return eager(seqs, tokens, sample)
+
+    runner.forward = forward  # type: ignore[method-assign]
+    return graphs
+
+
 def _sync(engine: Engine) -> None:
     if engine.device.type == "cuda":
         torch.cuda.synchronize(engine.device)
@@ -109,7 +128,7 @@ def _decode_step(engine: Engine, lanes: int, position: int) -> tuple[list[SeqSpe
 
 
 def step_timing(engine: Engine, lanes: int, position: int, reps: int = 20) -> dict:
-    """Wall time of `Runner.forward` for one decode step, synchronized (no sampling, no engine)."""
+    """Wall time of the runner's forward for one decode step, synchronized (no sampling, no engine)."""
     seqs, toks, sample = _decode_step(engine, lanes, position)
     for _ in range(3):
         engine.runner.forward(seqs, toks, sample)
@@ -138,12 +157,17 @@ def profile_step(engine: Engine, lanes: int, position: int, reps: int = 5) -> tu
     def dev_self(e: Any) -> float:
         return float(getattr(e, "self_device_time_total", getattr(e, "self_cuda_time_total", 0.0)))
 
-    total = sum(dev_self(e) for e in events)
-    top = sorted(events, key=dev_self, reverse=True)[:12]
+    def is_kernel(e: Any) -> bool:  # operators also carry their kernels' time: count kernels once
+        return str(getattr(e, "device_type", "")).endswith("CUDA")
+
+    kernels = [e for e in events if is_kernel(e)]
+    total = sum(dev_self(e) for e in kernels)
+    top = sorted(kernels, key=dev_self, reverse=True)[:12]
     summary = {
         "lanes": lanes,
         "position": position,
         "device_ms_per_step": total / reps / 1e3,
+        "cpu_ms_per_step": sum(float(e.self_cpu_time_total) for e in events if not is_kernel(e)) / reps / 1e3,
         "top": [{"name": e.key[:80], "device_ms_per_step": dev_self(e) / reps / 1e3,
                  "calls_per_step": e.count / reps} for e in top],
     }
@@ -155,15 +179,19 @@ def profile_step(engine: Engine, lanes: int, position: int, reps: int = 5) -> tu
 
 
 def attention_run(fmt_name: str, lanes: int, context: int, device: torch.device,
-                  heads: int = 32, kv_heads: int = 8, head_dim: int = 128, reps: int = 50) -> dict:
-    """Decode attention alone (one layer, Llama-3.1-8B heads) over full contexts: time and bytes/s."""
+                  heads: int = 32, kv_heads: int = 8, head_dim: int = 128, reps: int = 20) -> dict:
+    """Decode attention alone (one layer, Llama-3.1-8B heads) over full contexts: time and bytes/s.
+
+    The time covers the whole `attend` (write, attention, output rotation),
+    replayed from a CUDA graph so that it is device time, not launch cost.
+    """
     from strata.kv.formats import make_format
     from strata.kv.gpu_attention import GpuTableAttention
     from strata.kv.pool import KvPool
 
     fmt = make_format(fmt_name, kv_heads, head_dim)
     pool = KvPool(fmt, 1, lanes, context + 1, 4096, None, device)
-    for name, t in pool.layers[0].items():  # random cells: never time zeros
+    for t in pool.layers[0].values():  # random cells: never time zeros
         if t.is_floating_point():
             t.copy_(torch.rand_like(t))
         else:
@@ -175,13 +203,19 @@ def attention_run(fmt_name: str, lanes: int, context: int, device: torch.device,
     for _ in range(3):
         ctx.attend(0, q, kv, kv)
     torch.cuda.synchronize(device)
+    graph = torch.cuda.CUDAGraph()  # replayed: launch costs out of the figure, as in a decode graph
+    with torch.cuda.graph(graph):
+        for _ in range(reps):
+            ctx.attend(0, q, kv, kv)
+    graph.replay()
+    torch.cuda.synchronize(device)
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     start.record()
-    for _ in range(reps):
-        ctx.attend(0, q, kv, kv)
+    for _ in range(3):
+        graph.replay()
     end.record()
     torch.cuda.synchronize(device)
-    us = start.elapsed_time(end) / reps * 1e3
+    us = start.elapsed_time(end) / (3 * reps) * 1e3
     read = lanes * context * fmt.cell_bytes()
     return {"kv": fmt_name, "lanes": lanes, "context": context, "us_per_layer": us,
             "cell_bytes_read": read, "TBps": read / us / 1e6}
@@ -269,10 +303,27 @@ def main(argv: list[str] | None = None) -> int:
         stage("forward_step", lambda: [step_timing(engine, n, args.prompt_tokens) for n in lanes])
         if cuda:
             stage("profile", profiles)
+            use_decode_graphs(engine)
+
+            def graph_warmup() -> float:  # captures the padded sizes the runs below use
+                t = time.perf_counter()
+                for n in lanes:
+                    decode_run(engine, n, args.prompt_tokens, 4, salt=95_000 + 100 * n)
+                return time.perf_counter() - t
+
+            stage("graphs_warmup_seconds", graph_warmup)
+            stage("decode_graphs", lambda: [decode_run(engine, n, args.prompt_tokens, args.gen_tokens,
+                                                       salt=2000 * n) for n in lanes])
+            stage("forward_step_graphs",
+                  lambda: [step_timing(engine, n, args.prompt_tokens) for n in lanes])
+            tables_before = len(tables)
+            stage("profile_graphs", profiles)
+            for i in range(tables_before, len(tables)):
+                tables[i] = tables[i].replace("== decode step", "== decode step (CUDA graph)")
     if args.device.startswith("cuda") and args.attention:
         dev = torch.device(args.device)
         stage("attention_kernel", lambda: [attention_run(f, n, c, dev) for f in args.attention.split(",")
-                                           for n, c in ((1, 32768), (16, 4096), (64, 4096))])
+                                           for n, c in ((1, 32768), (16, 4096), (64, 4096), (64, 512))])
     text = json.dumps(out, indent=1)
     print(text)
     if args.out:

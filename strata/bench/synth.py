@@ -174,8 +174,7 @@ def write_gguf(path: Path, shape: Shape, tokenizer: list[Field], name: str = "sy
     random = RandomBf16(std, pool, seed)
     with open(path, "wb") as f:
         f.write(b"GGUF" + struct.pack("<IQQ", 3, len(plan), len(fields)))
-        for key, kind, value, item in fields:
-            f.write(_string(key) + struct.pack("<I", kind) + _value(kind, value, item))
+        f.writelines(_string(k) + struct.pack("<I", t) + _value(t, v, i) for k, t, v, i in fields)
         offset = 0
         for (tname, tshape, ttype), size in zip(plan, sizes):
             dims = tuple(reversed(tshape))  # ggml order: the innermost dimension first
@@ -198,8 +197,7 @@ def write_metadata_only(path: Path, fields: list[Field]) -> None:
     """A tensorless GGUF holding `fields`: the tokenizer, carried to a machine that lacks its source."""
     with open(path, "wb") as f:
         f.write(b"GGUF" + struct.pack("<IQQ", 3, 0, len(fields)))
-        for key, kind, value, item in fields:
-            f.write(_string(key) + struct.pack("<I", kind) + _value(kind, value, item))
+        f.writelines(_string(k) + struct.pack("<I", t) + _value(t, v, i) for k, t, v, i in fields)
 
 
 def main(argv: list[str] | None = None) -> int:

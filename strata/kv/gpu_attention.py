@@ -30,15 +30,15 @@ except ImportError:  # pragma: no cover - depends on the installation
     HAVE_TRITON = False
 
 # Per pool, per layer: the (K, V) kernel views of its storage, made once.
-_HALVES: "weakref.WeakKeyDictionary[KvPool, list[tuple[Half, Half]]]" = weakref.WeakKeyDictionary()
+_HALVES: weakref.WeakKeyDictionary[KvPool, list[tuple[Half, Half]]] = weakref.WeakKeyDictionary()
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _sm_count(index: int) -> int:
     return torch.cuda.get_device_properties(index).multi_processor_count
 
 
-def _layer_halves(pool: KvPool, layer: int) -> "tuple[Half, Half]":
+def _layer_halves(pool: KvPool, layer: int) -> tuple[Half, Half]:
     views = _HALVES.get(pool)
     if views is None:
         views = [halves(pool.fmt, st) for st in pool.layers]
@@ -59,14 +59,7 @@ class GpuTableAttention:
     def __init__(
         self, pool: KvPool, seqs: list[SeqSpec], num_heads: int, scale: float, dtype: torch.dtype
     ) -> None:
-        self.pool = pool
-        self.fmt = pool.fmt
-        self.scale = scale
-        self.dtype = dtype
-        self.num_heads = num_heads
-        self.plain = isinstance(pool.fmt, PlainFormat)
-        self.sms = _sm_count(pool.device.index if pool.device.index is not None else torch.cuda.current_device())
-        dev = pool.device
+        self._setup(pool, num_heads, scale, dtype)
         ns = torch.tensor([s.n for s in seqs], dtype=torch.int64)
         starts = torch.tensor([s.start for s in seqs], dtype=torch.int64)
         sessions = torch.tensor([s.session for s in seqs], dtype=torch.int64)
@@ -86,12 +79,40 @@ class GpuTableAttention:
             torch.tensor(blk_seq, dtype=torch.int64), torch.tensor(blk_m0, dtype=torch.int64),
             sessions[pre], starts[pre], ns[pre], rows[pre],
         ]
-        packed = torch.cat(parts).to(dev)  # one host-to-device copy per step
+        packed = torch.cat(parts).to(pool.device)  # one host-to-device copy per step
         views = packed.split([p.numel() for p in parts])
         self.write_cells = views[0]
         self.decode = DecodeBatch(views[1], views[2], views[3],
                                   int(starts[dec].max()) + 1 if bool(dec.any()) else 0)
         self.prefill = PrefillBatch(*views[4:])
+
+    def _setup(self, pool: KvPool, num_heads: int, scale: float, dtype: torch.dtype) -> None:
+        self.pool = pool
+        self.fmt = pool.fmt
+        self.scale = scale
+        self.dtype = dtype
+        self.num_heads = num_heads
+        self.plain = isinstance(pool.fmt, PlainFormat)
+        index = pool.device.index if pool.device.index is not None else torch.cuda.current_device()
+        self.sms = _sm_count(index)
+
+    @classmethod
+    def for_graph(cls, pool: KvPool, meta: torch.Tensor, num_heads: int, scale: float,
+                  dtype: torch.dtype) -> GpuTableAttention:
+        """A decode-only context reading its metadata from fixed device rows, for CUDA graphs.
+
+        `meta` [4, lanes] int64 holds query rows, sessions, lengths (start + 1)
+        and write cells; the caller refills it before each replay. The context
+        splits are planned for the pool's longest context, so one capture
+        serves every length (splits past a lane's length end at once).
+        """
+        self = cls.__new__(cls)
+        self._setup(pool, num_heads, scale, dtype)
+        self.write_cells = meta[3]
+        self.decode = DecodeBatch(meta[0], meta[1], meta[2], pool.max_chunks * pool.chunk_size)
+        empty = meta.new_empty(0)
+        self.prefill = PrefillBatch(empty, empty, empty, empty, empty, empty)
+        return self
 
     def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         """Store k, v [T, Hkv, D] at the step's cells; causal attention of q [T, Hq, D] -> [T, Hq, D]."""

@@ -12,15 +12,15 @@ from __future__ import annotations
 import pytest
 
 pytest.importorskip("triton")
-import torch  # noqa: E402
+import torch
 
 if not torch.cuda.is_available():
     pytest.skip("needs a CUDA device", allow_module_level=True)
 
-from strata.kv.attention import SeqSpec, TableAttention  # noqa: E402
-from strata.kv.formats import make_format  # noqa: E402
-from strata.kv.gpu_attention import GpuTableAttention, context_class  # noqa: E402
-from strata.kv.pool import KvPool  # noqa: E402
+from strata.kv.attention import SeqSpec, TableAttention
+from strata.kv.formats import make_format
+from strata.kv.gpu_attention import GpuTableAttention, context_class
+from strata.kv.pool import KvPool
 
 DEV = "cuda"
 HQ, HKV, D = 8, 2, 64
@@ -32,7 +32,7 @@ QUANT_REL = {"bf16": 0.0, "fp16": 0.0, "int8": 0.03, "q4_0": 0.2, "k8v4": 0.2}
 
 
 def _pools(fmt: str, sessions: int, max_context: int, pool_tokens: int | None) -> tuple[KvPool, KvPool]:
-    make = lambda: KvPool(make_format(fmt, HKV, D), 2, sessions, max_context, CHUNK,  # noqa: E731
+    make = lambda: KvPool(make_format(fmt, HKV, D), 2, sessions, max_context, CHUNK,
                           pool_tokens, DEV)
     return make(), make()
 

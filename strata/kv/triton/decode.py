@@ -22,7 +22,7 @@ from strata.kv.triton.layout import Half
 
 LOG2E = 1.4426950408889634
 BLOCK_N = 64
-MIN_SPLIT = 256  # positions: a shorter split costs more in the second pass than it saves
+MIN_SPLIT = 128  # positions: a shorter split costs more in the second pass than it saves
 MAX_SPLITS = 64
 
 
@@ -118,11 +118,16 @@ class DecodeBatch:
 
 
 def plan_splits(lanes: int, kv_heads: int, max_len: int, sms: int) -> tuple[int, int]:
-    """(split length, number of splits): enough programs to cover every multiprocessor twice."""
+    """(split length, number of splits): enough programs for four per multiprocessor.
+
+    One program streams its split's K/V one tile at a time, so the loads in
+    flight per multiprocessor, and with them the bandwidth, grow with the
+    programs resident on it.
+    """
     base = lanes * kv_heads
-    if base >= 2 * sms or max_len <= MIN_SPLIT:
+    if base >= 4 * sms or max_len <= MIN_SPLIT:
         return max(max_len, 1), 1
-    want = min(MAX_SPLITS, -(-2 * sms // base))
+    want = min(MAX_SPLITS, -(-4 * sms // base))
     split = max(MIN_SPLIT, -(-max_len // want))
     split = -(-split // BLOCK_N) * BLOCK_N
     return split, -(-max_len // split)

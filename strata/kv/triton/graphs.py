@@ -1,0 +1,130 @@
+"""CUDA graphs of the model's decode step, captured per padded lane count and replayed.
+
+An eager decode step of an 8B model launches over a thousand kernels, and
+their Python and launch cost, not the GPU, sets the pace. A captured step
+is replayed with one call. What changes between steps lives in fixed device
+buffers refilled before each replay (token ids, positions, sessions,
+lengths, write cells, in one host-to-device copy); the chunk tables are read
+from the pool's fixed device copy, so moves and reservations need no
+re-capture. Prompt reading stays eager.
+
+A step of n lanes runs the smallest captured size >= n; padding lanes read
+one cell of session 0 and write into the trash chunk, so they touch nothing
+anyone owns. Graphs are captured on first use of a size.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from strata.kv.attention import SeqSpec
+from strata.kv.gpu_attention import GpuTableAttention
+from strata.kv.pool import KvPool
+
+# Padded lane counts: powers of two, then steps of 16 (a decode step's cost grows slowly with lanes).
+SIZES = (1, 2, 4, 8, 16, 32, 48, 64, 80, 96, 112, 128, 160, 192, 224, 256)
+_IDS, _POS, _ROWS, _SESS, _LENS, _CELLS = range(6)
+
+
+@dataclass
+class _Entry:
+    size: int
+    host: torch.Tensor  # [6, size] int64, pinned: staged metadata
+    meta: torch.Tensor  # [6, size] int64 on the device, read by the graph
+    ctx: GpuTableAttention
+    copied: torch.cuda.Event
+    graph: torch.cuda.CUDAGraph | None = None
+    logits: torch.Tensor | None = None  # the graph's output, [size, vocab] float32
+
+
+class DecodeGraphs:
+    """Decode steps of `model` over `pool` through captured CUDA graphs."""
+
+    def __init__(self, model: torch.nn.Module, pool: KvPool, num_heads: int, scale: float,
+                 dtype: torch.dtype) -> None:
+        self.model = model
+        self.pool = pool
+        self.num_heads = num_heads
+        self.scale = scale
+        self.dtype = dtype
+        self.sizes = [s for s in SIZES if s < pool.num_sessions] + [pool.num_sessions]
+        self._entries: dict[int, _Entry] = {}
+
+    def supports(self, seqs: list[SeqSpec], sample: list[bool]) -> bool:
+        """A pure decode step whose every lane is sampled (what the graph computes)."""
+        return bool(seqs) and len(seqs) <= self.sizes[-1] and all(s.n == 1 for s in seqs) and all(sample)
+
+    def size_for(self, lanes: int) -> int:
+        return next(s for s in self.sizes if s >= lanes)
+
+    @torch.inference_mode()
+    def forward(self, seqs: list[SeqSpec], tokens: list[int]) -> torch.Tensor:
+        """Logits [len(seqs), vocab] (float32) of one decode step; valid until the next call."""
+        entry = self._entry(self.size_for(len(seqs)))
+        self._fill(entry, seqs, tokens)
+        assert entry.graph is not None and entry.logits is not None
+        entry.graph.replay()
+        return entry.logits[: len(seqs)]
+
+    @torch.inference_mode()
+    def eager(self, seqs: list[SeqSpec], tokens: list[int]) -> torch.Tensor:
+        """The same padded step without the graph (what the graph must reproduce bit for bit)."""
+        entry = self._entry(self.size_for(len(seqs)))
+        self._fill(entry, seqs, tokens)
+        return self._step(entry)[: len(seqs)].clone()
+
+    # ---- internals -----------------------------------------------------------------
+    def _step(self, e: _Entry) -> torch.Tensor:
+        hidden = self.model(e.meta[_IDS], e.meta[_POS], e.ctx)
+        return self.model.compute_logits(hidden)
+
+    def _fill(self, e: _Entry, seqs: list[SeqSpec], tokens: list[int]) -> None:
+        e.copied.synchronize()  # the previous copy out of the staging buffer is done
+        n, pool = len(seqs), self.pool
+        chunk = pool.chunk_size
+        sess = torch.tensor([s.session for s in seqs], dtype=torch.int64)
+        pos = torch.tensor([s.start for s in seqs], dtype=torch.int64)
+        h = e.host
+        h[_IDS, :n] = torch.tensor(tokens, dtype=torch.int64)
+        h[_POS, :n] = pos
+        h[_SESS, :n] = sess
+        h[_LENS, :n] = pos + 1
+        h[_CELLS, :n] = pool.tables[sess, pos // chunk] * chunk + pos % chunk
+        self._pad(h, n)
+        e.meta.copy_(h, non_blocking=True)
+        e.copied.record()
+
+    def _pad(self, h: torch.Tensor, start: int) -> None:
+        h[_IDS, start:] = 0
+        h[_POS, start:] = 0
+        h[_SESS, start:] = 0
+        h[_LENS, start:] = 1
+        h[_CELLS, start:] = self.pool.trash * self.pool.chunk_size
+
+    def _entry(self, size: int) -> _Entry:
+        e = self._entries.get(size)
+        if e is not None:
+            return e
+        dev = self.pool.device
+        host = torch.zeros((6, size), dtype=torch.int64).pin_memory()
+        host[_ROWS] = torch.arange(size)
+        meta = torch.zeros((6, size), dtype=torch.int64, device=dev)
+        ctx = GpuTableAttention.for_graph(self.pool, meta[_ROWS:], self.num_heads, self.scale, self.dtype)
+        e = _Entry(size, host, meta, ctx, torch.cuda.Event())
+        e.copied.record()
+        self._pad(host, 0)
+        meta.copy_(host)
+        side = torch.cuda.Stream(dev)
+        side.wait_stream(torch.cuda.current_stream(dev))
+        with torch.cuda.stream(side):  # warm-up outside capture: kernel compiles, library handles
+            for _ in range(2):
+                self._step(e)
+        torch.cuda.current_stream(dev).wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            e.logits = self._step(e)
+        e.graph = graph
+        self._entries[size] = e
+        return e
