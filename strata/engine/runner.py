@@ -11,7 +11,7 @@ from strata.kv.pool import KvPool
 
 class Runner:
     def __init__(self, model: torch.nn.Module, pool: KvPool, num_heads: int, scale: float,
-                 dtype: torch.dtype, device: torch.device) -> None:
+                 dtype: torch.dtype, device: torch.device, graphs: bool = True) -> None:
         self.model = model
         self.pool = pool
         self.num_heads = num_heads
@@ -20,10 +20,17 @@ class Runner:
         self.device = device
         # Triton kernels read the pool in place; a streamed pool goes through its store
         self.context = TableAttention if pool.store is not None else context_class(pool)
+        self.graphs = None  # CUDA graphs of decode steps (prompt reading stays eager)
+        if graphs and self.context is not TableAttention:
+            from strata.kv.triton.graphs import DecodeGraphs
+
+            self.graphs = DecodeGraphs(model, pool, num_heads, scale, dtype)
 
     @torch.inference_mode()
     def forward(self, seqs: list[SeqSpec], tokens: list[int], sample: list[bool]) -> torch.Tensor:
         """Logits (float32) of the last row of every sequence with `sample` set, in order."""
+        if self.graphs is not None and self.graphs.supports(seqs, sample):
+            return self.graphs.forward(seqs, tokens)  # valid until the next step: sample at once
         input_ids = torch.tensor(tokens, dtype=torch.int64, device=self.device)
         positions = torch.cat([torch.arange(s.start, s.end, dtype=torch.int64) for s in seqs])
         ctx = self.context(self.pool, seqs, self.num_heads, self.scale, self.dtype)
