@@ -25,7 +25,7 @@ from strata.engine.scheduler import Lane, Scheduler
 from strata.engine.sessions import SessionFiles, SessionResult
 from strata.engine.stop import StopMatcher
 from strata.engine.types import FinishReason, SamplingParams, StreamEvent
-from strata.errors import BadRequest, ContextTooLong, QueueFull, StrataError
+from strata.errors import BadRequest, ContextTooLong, ModelLoadError, QueueFull, StrataError
 from strata.kv.formats import make_format
 from strata.kv.pool import KvPool
 from strata.models import load_model
@@ -44,7 +44,12 @@ class Engine:
             torch.set_num_threads(config.threads)
         if config.parallel < 1:
             raise BadRequest(f"--parallel must be at least 1, got {config.parallel}", "parallel")
-        self.loaded = loaded or load_model(config.model, config.device, config.dtype)
+        self.loaded = loaded or load_model(config.model, config.device, config.dtype,
+                                           weights=config.weights)
+        if self.loaded.tokenizer is None:
+            raise ModelLoadError(self.loaded.path, "the model carries no tokenizer")
+        if self.loaded.model.max_positions < config.max_context:
+            self.loaded.model.set_max_positions(config.max_context)
         self.model_config = self.loaded.config
         self.tokenizer = self.loaded.tokenizer
         self.model_name = self.loaded.name

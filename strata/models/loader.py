@@ -24,6 +24,7 @@ from strata.models.architecture import Architecture
 from strata.models.base import ModelConfig
 from strata.models.config import config_from_gguf, config_from_hf, gguf_architecture
 from strata.models.layers import DecoderModel
+from strata.models.quantize import quantize_int8, resolve_weight_mode
 from strata.models.naming import Part, gguf_parts, hf_parts
 from strata.models.sources import GGUFSource, SafetensorsSource, WeightSource
 from strata.tokenizer import Tokenizer
@@ -45,6 +46,7 @@ class LoadedModel:
     path: str
     device: torch.device
     dtype: torch.dtype
+    weights: str = "dense"  # dense | int8
 
 
 def resolve_device(device: str | torch.device, path: str) -> torch.device:
@@ -72,12 +74,15 @@ def load_model(
     device: str | torch.device = "auto",
     dtype: str | torch.dtype = "auto",
     progress: bool = True,
+    weights: str = "dense",
 ) -> LoadedModel:
     """Load a `.gguf` file or an HF folder (config.json + safetensors); None: the embedded default.
 
     The tokenizer comes from the GGUF metadata or the folder's tokenizer.json;
     a file without one (a random-weight benchmark file) gives tokenizer None,
     while a broken one is a ModelLoadError like any other bad input.
+    `weights`: dense (exact dequantized weights), int8 (weight-only int8, see
+    quantize.py) or auto (int8 on the CPU in bfloat16).
     """
     path = str(default_model_path()) if path is None else str(path)
     p = Path(path)
@@ -95,15 +100,21 @@ def load_model(
     _fill(model, source, parts_of, path, dev, dt, progress)
     model.requires_grad_(False).eval()
     model.set_max_positions(cfg.max_position_embeddings)
+    mode = resolve_weight_mode(weights, dev, dt)
+    identity = source.identity()
+    if mode == "int8":
+        quantize_int8(model)
+        identity += "+int8"  # K/V computed with other weights: session files must not mix them
     return LoadedModel(
         model=model,
         config=cfg,
         tokenizer=tokenizer,
-        identity=source.identity(),
+        identity=identity,
         name=p.name if p.is_dir() else p.stem,
         path=path,
         device=dev,
         dtype=dt,
+        weights=mode,
     )
 
 

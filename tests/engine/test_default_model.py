@@ -14,7 +14,7 @@ pytestmark = pytest.mark.slow
 
 @pytest.fixture(scope="module")
 def loaded():
-    return load_model(None, device="cpu", dtype="bfloat16", progress=False)
+    return load_model(None, device="cpu", dtype="bfloat16", weights="auto", progress=False)  # int8
 
 
 def _chat(loaded, text: str) -> list[int]:
@@ -40,3 +40,8 @@ def test_lanes_match_running_alone_with_pool_on_and_off(loaded) -> None:
         with Engine(cfg, loaded=loaded) as eng:
             handles = [eng.generate(p, params) for p in prompts]
             assert [h.result().token_ids for h in handles] == alone
+
+
+def test_default_weights_on_the_cpu_are_int8(loaded) -> None:
+    assert loaded.weights == "int8"
+    assert loaded.identity.endswith("+int8")
