@@ -46,6 +46,10 @@ class _Group:
     lp: int  # padded key length, a multiple of BLOCK
     out_rows: torch.Tensor  # [R] flattened token indices of valid rows
     out_sel: torch.Tensor  # [R] indices into the group's S * nmax rows
+    hidden: torch.Tensor | None = None  # [S*Hkv, nmax*G, Lp] bool: keys a query must not see
+    block_of: torch.Tensor | None = None  # [S*Hkv, 1, nmax*G, D+1] the block each query reads
+    ones: torch.Tensor | None = None  # [S*Hkv, nb, BLOCK, 1]: rides along V to sum probabilities
+    in_order: bool = False  # the group's valid rows are all the step's rows, in order
 
 
 class TableAttention:
@@ -73,6 +77,9 @@ class TableAttention:
             for idx in (decode, prefill)
             if idx
         ]
+        if len(self.groups) == 1:
+            g = self.groups[0]
+            g.in_order = bool(len(g.out_rows) == t and torch.equal(g.out_rows.cpu(), torch.arange(t)))
 
     @staticmethod
     def _group(pool: KvPool, seqs: list[SeqSpec], offsets: list[int], dev: torch.device) -> _Group:
@@ -104,11 +111,26 @@ class TableAttention:
 
     def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         self.pool.write(layer, self.write_cells, k, v)
+        if len(self.groups) == 1 and self.groups[0].in_order and self.groups[0].rows.shape[1] == 1:
+            return self.fmt.finish_output(self._attend_group(layer, self.groups[0], q).squeeze(1))
         out = torch.empty_like(q)
         for g in self.groups:
             o = self._attend_group(layer, g, q)
             out[g.out_rows] = o.reshape(-1, *o.shape[2:])[g.out_sel]
         return self.fmt.finish_output(out)
+
+    @staticmethod
+    def _prepare(g: _Group, hkv: int, grp: int, d: int, dtype: torch.dtype) -> None:
+        """Masks and indices shared by every layer of the step (made on first use)."""
+        S, nmax = g.rows.shape
+        lp = g.lp
+        dev = g.qpos.device
+        allowed = torch.arange(lp, device=dev)[None, None, :] <= g.qpos[:, :, None]  # [S,nmax,Lp]
+        allowed = allowed[:, None, :, None, :].expand(S, hkv, nmax, grp, lp)
+        g.hidden = ~allowed.reshape(S * hkv, nmax * grp, lp)
+        qb = (g.qpos // BLOCK)[:, None, :, None].expand(S, hkv, nmax, grp)
+        g.block_of = qb.reshape(S * hkv, 1, nmax * grp, 1).expand(-1, -1, -1, d + 1).contiguous()
+        g.ones = torch.ones(S * hkv, lp // BLOCK, BLOCK, 1, dtype=dtype, device=dev)
 
     def _attend_group(self, layer: int, g: _Group, q: torch.Tensor) -> torch.Tensor:
         S, nmax = g.rows.shape
@@ -120,16 +142,14 @@ class TableAttention:
         qg = q[g.rows.reshape(-1)].view(S, nmax, hkv, grp, d)
         qh = qg.permute(0, 2, 1, 3, 4).reshape(S * hkv, nmax * grp, d)
         kh = kc.view(S, lp, hkv, d).permute(0, 2, 3, 1).reshape(S * hkv, d, lp)
+        if g.hidden is None or g.ones is None or g.ones.dtype != q.dtype:
+            self._prepare(g, hkv, grp, d, q.dtype)
         scores = torch.bmm(qh, kh).float().mul_(self.scale)  # [S*Hkv, nmax*G, Lp]
-        allowed = torch.arange(lp, device=q.device)[None, None, :] <= g.qpos[:, :, None]  # [S,nmax,Lp]
-        allowed = allowed[:, None, :, None, :].expand(S, hkv, nmax, grp, lp).reshape(S * hkv, nmax * grp, lp)
-        scores.masked_fill_(~allowed, float("-inf"))
+        scores.masked_fill_(g.hidden, float("-inf"))
         probs = torch.exp(scores - scores.amax(dim=-1, keepdim=True)).to(q.dtype)
         pb = probs.view(S * hkv, nmax * grp, nb, BLOCK).transpose(1, 2)  # [S*Hkv, nb, nmax*G, BLOCK]
         vh = vc.view(S, nb, BLOCK, hkv, d).permute(0, 3, 1, 2, 4).reshape(S * hkv, nb, BLOCK, d)
-        ones = torch.ones(S * hkv, nb, BLOCK, 1, dtype=vh.dtype, device=vh.device)
-        ob = torch.matmul(pb, torch.cat([vh, ones], dim=-1)).float().cumsum(dim=1)  # [S*Hkv, nb, nmax*G, D+1]
-        qb = (g.qpos // BLOCK)[:, None, :, None].expand(S, hkv, nmax, grp).reshape(S * hkv, 1, nmax * grp, 1)
-        sel = ob.gather(1, qb.expand(-1, -1, -1, d + 1)).squeeze(1)  # [S*Hkv, nmax*G, D+1]
+        ob = torch.matmul(pb, torch.cat([vh, g.ones], dim=-1)).float().cumsum(dim=1)  # [S*Hkv, nb, nmax*G, D+1]
+        sel = ob.gather(1, g.block_of).squeeze(1)  # [S*Hkv, nmax*G, D+1]
         o = (sel[..., :d] / sel[..., d:]).to(q.dtype)
         return o.view(S, hkv, nmax, grp, d).permute(0, 2, 1, 3, 4).reshape(S, nmax, hq, d)
