@@ -1,0 +1,375 @@
+"""KV streaming (`--kv-resident N`): all K/V in a host store, N cells per layer on the device.
+
+The pool's own storage (`pool.layers`) is the host store: pinned memory when
+the device is CUDA, so host -> device copies can be asynchronous. The device
+holds a cache of BLOCKS (a block is `block_cells` consecutive pool cells,
+block id `cell // block_cells`); the cache maps pool cells, not positions, so
+moving a conversation between sessions (a chunk-table swap) needs no cache
+change, and chunk tables keep addressing the host store.
+
+- `read` resolves the blocks a read needs: hits are read where they sit in the
+  cache; misses are copied in as the format's byte runs (one `index_copy_` per
+  run for all the layer's missed blocks); then everything is dequantized from
+  the device in one read. When one read needs more blocks than the cache has
+  slots, the cells of those the residency policy (kv/residency.py) leaves out
+  are copied straight from the host store into a scratch tail that all layers
+  share: still exact, and counted as overflow.
+- `write` quantizes once, then stores the same bytes in the host store and,
+  for cells whose block is resident, in the cache, so the two never disagree.
+
+Every path moves whole runs and dequantizes with the format's own `read`, so
+streamed attention equals resident attention bit for bit
+(tests/kv/test_stream.py). On a machine without a GPU the cache is a second
+CPU buffer and the same code runs.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass
+
+import torch
+
+from strata.kv.formats import KvFormat, Storage
+from strata.kv.pool import KvPool
+from strata.kv.residency import BlockUsage, ResidencyConfig, choose_resident
+
+DEFAULT_BLOCK_CELLS = 64
+
+
+@dataclass
+class StreamStats:
+    lookups: int = 0  # block lookups (distinct blocks per read and layer)
+    hits: int = 0
+    misses: int = 0
+    blocks_copied: int = 0  # host -> cache
+    bytes_copied: int = 0
+    overflow_blocks: int = 0  # needed blocks the cache could not hold
+    overflow_bytes: int = 0  # their cells, copied host -> scratch
+
+    @property
+    def hit_rate(self) -> float:
+        return self.hits / self.lookups if self.lookups else 1.0
+
+    def as_dict(self) -> dict[str, float]:
+        return {**asdict(self), "hit_rate": self.hit_rate}
+
+
+# (dest on the device, dest rows, src in host memory, src rows): see _Uploader.copy
+Job = tuple[torch.Tensor, torch.Tensor | int, torch.Tensor, torch.Tensor]
+
+
+class _Uploader:
+    """Host -> device row copies, `dest[dest_rows] = src[src_rows]`, one index_copy_ per job.
+
+    On CUDA the rows are gathered into pinned staging buffers and copied
+    non_blocking on a side stream; the compute stream waits on an event, and
+    the side stream first waits for the compute stream (which may still be
+    reading the rows about to be overwritten).
+    """
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self.cuda = device.type == "cuda"
+        self.stream = torch.cuda.Stream(device) if self.cuda else None
+        self.done: torch.cuda.Event | None = None
+        self.staging: dict[tuple, torch.Tensor] = {}
+
+    def copy(self, jobs: list[Job]) -> None:
+        """Rows are int64 on the CPU; dest rows may be an int, the first of consecutive
+        rows (then no scatter is needed)."""
+        if not self.cuda:
+            for dest, dest_rows, src, src_rows in jobs:
+                if isinstance(dest_rows, int):
+                    out = dest[dest_rows : dest_rows + src_rows.numel()]
+                    torch.index_select(src, 0, src_rows, out=out)
+                else:
+                    dest.index_copy_(0, dest_rows, src.index_select(0, src_rows))
+            return
+        assert self.stream is not None
+        if self.done is not None:
+            self.done.synchronize()  # the staging buffers are free again
+        main = torch.cuda.current_stream(self.device)
+        self.stream.wait_stream(main)
+        with torch.cuda.stream(self.stream):
+            for i, (dest, dest_rows, src, src_rows) in enumerate(jobs):
+                stage = self._stage((i, tuple(src.shape[1:]), src.dtype), src_rows.numel())
+                torch.index_select(src, 0, src_rows, out=stage)
+                if isinstance(dest_rows, int):
+                    dest[dest_rows : dest_rows + stage.shape[0]].copy_(stage, non_blocking=True)
+                else:
+                    dest.index_copy_(0, dest_rows.to(self.device, non_blocking=True),
+                                     stage.to(self.device, non_blocking=True))
+            self.done = torch.cuda.Event()
+            self.done.record(self.stream)
+        main.wait_event(self.done)
+
+    def _stage(self, key: tuple, m: int) -> torch.Tensor:
+        buf = self.staging.get(key)
+        if buf is None or buf.shape[0] < m:
+            buf = torch.empty((max(m, 2 * (0 if buf is None else buf.shape[0])), *key[1]),
+                              dtype=key[2]).pin_memory()
+            self.staging[key] = buf
+        return buf[:m]
+
+
+class StreamStore:
+    """The device block cache over a pool's host store; set as `pool.store`.
+
+    Device memory is one tensor per run: layer l's `resident` cells at rows
+    [l * R, (l + 1) * R), then a scratch tail shared by all layers for the
+    cells a read takes straight from the host (it grows to the largest such read).
+    """
+
+    def __init__(
+        self,
+        pool: KvPool,
+        resident_cells: int,
+        block_cells: int = DEFAULT_BLOCK_CELLS,
+        device: torch.device | str | None = None,
+        residency: ResidencyConfig | None = None,
+    ) -> None:
+        # A block must not straddle two chunks, or one block would mix sessions.
+        self.block = math.gcd(block_cells, pool.chunk_size)
+        self.slots = resident_cells // self.block
+        if self.slots < 1:
+            raise ValueError(
+                f"--kv-resident {resident_cells} is smaller than one block ({self.block} cells)"
+            )
+        self.pool = pool
+        self.fmt: KvFormat = pool.fmt
+        self.residency = residency or ResidencyConfig()
+        self.device = torch.device(device) if device is not None else pool.device
+        self.host: list[Storage] = pool.layers
+        num_cells = next(iter(self.host[0].values())).shape[0]
+        self.num_blocks = num_cells // self.block
+        n_layers = len(self.host)
+        self.rows = self.slots * self.block  # device rows per layer
+        self.scratch0 = n_layers * self.rows
+        self.area: Storage = self.fmt.allocate(self.scratch0, self.device)
+        self.block_slot = torch.full((n_layers, self.num_blocks), -1, dtype=torch.int64)
+        self.slot_block = torch.full((n_layers, self.slots), -1, dtype=torch.int64)
+        self.last_use = torch.zeros((n_layers, self.slots), dtype=torch.int64)
+        self.span = torch.zeros(pool.num_sessions, dtype=torch.int64)  # blocks per session
+        self.clock = 0
+        self.stats = StreamStats()
+        self.uploader = _Uploader(self.device)
+        self._maps_key: tuple[torch.Tensor, tuple[int, ...]] | None = None
+        self._maps: tuple[torch.Tensor, torch.Tensor] = (torch.empty(0), torch.empty(0))
+
+    # ---- figures -------------------------------------------------------------
+    def host_bytes(self) -> int:
+        return sum(t.nbytes for st in self.host for t in st.values())
+
+    def cache_bytes(self) -> int:
+        """Device bytes: the resident cells of every layer plus the scratch tail."""
+        return sum(t.nbytes for t in self.area.values())
+
+    def figures(self) -> dict[str, float | int | bool]:
+        pinned = self.uploader.cuda and all(t.is_pinned() for st in self.host for t in st.values())
+        return {
+            **self.stats.as_dict(),
+            "resident_cells": self.rows,
+            "block_cells": self.block,
+            "host_bytes": self.host_bytes(),
+            "pinned_bytes": self.host_bytes() if pinned else 0,
+            "cache_bytes": self.cache_bytes(),
+            "scratch_cells": next(iter(self.area.values())).shape[0] - self.scratch0,
+        }
+
+    # ---- the pool's cell I/O ---------------------------------------------------
+    def write(self, layer: int, cells: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Quantize once; the same bytes go to the host store and to resident blocks."""
+        n = cells.numel()
+        staged = self.fmt.allocate(n, k.device)
+        self.fmt.write(staged, torch.arange(n, device=k.device), k, v)
+        cells_h = cells.to("cpu")
+        self._write_host(layer, cells_h, staged)
+        slot = self.block_slot[layer][cells_h // self.block]
+        res = slot >= 0
+        if bool(res.any()):
+            at = layer * self.rows + slot[res] * self.block + cells_h[res] % self.block
+            at, rows = at.to(self.device), res.to(k.device)
+            for name, dest in self.area.items():
+                dest.index_copy_(0, at, staged[name][rows].to(self.device))
+
+    def _write_host(self, layer: int, cells: torch.Tensor, staged: Storage) -> None:
+        for name, dest in self.host[layer].items():
+            dest.index_copy_(0, cells, staged[name].to("cpu"))
+
+    def read(
+        self, layer: int, cells: torch.Tensor, dtype: torch.dtype
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Dequantized k, v [N, Hkv, D] on the device for pool cells `cells` [N]."""
+        cells_h = cells.to("cpu")
+        need, inv = torch.unique(cells_h // self.block, return_inverse=True)
+        self._resolve(layer, need)
+        slot = self.block_slot[layer][need][inv]
+        res = slot >= 0
+        at = layer * self.rows + slot * self.block + cells_h % self.block
+        if not bool(res.all()):
+            direct, where = torch.unique(cells_h[~res], return_inverse=True)
+            self._ensure_scratch(direct.numel())
+            self.uploader.copy([(self.area[name], self.scratch0, src, direct)
+                                for name, src in self.host[layer].items()])
+            self.stats.overflow_bytes += direct.numel() * self.fmt.cell_bytes()
+            at[~res] = self.scratch0 + where
+        return self.fmt.read(self.area, at.to(self.device), dtype)
+
+    def _ensure_scratch(self, cells: int) -> None:
+        have = next(iter(self.area.values())).shape[0] - self.scratch0
+        if cells <= have:
+            return
+        grown = self.fmt.allocate(self.scratch0 + max(cells, 2 * have), self.device)
+        for name, t in grown.items():
+            t[: self.scratch0].copy_(self.area[name][: self.scratch0])
+        self.area = grown
+
+    # ---- host writes behind the store's back ------------------------------------
+    def invalidate(self, cells: torch.Tensor | None = None) -> None:
+        """Drop cached blocks holding `cells` (all blocks if None) in every layer.
+
+        For code that fills the host store directly (a conversation restore, a
+        session file): the next read copies those blocks in again.
+        """
+        if cells is None:
+            self.block_slot.fill_(-1)
+            self.slot_block.fill_(-1)
+            return
+        blocks = torch.unique(cells.to("cpu") // self.block)
+        for layer in range(len(self.host)):
+            slot = self.block_slot[layer][blocks]
+            self.slot_block[layer][slot[slot >= 0]] = -1
+            self.block_slot[layer][blocks] = -1
+
+    # ---- resolution ------------------------------------------------------------
+    def _resolve(self, layer: int, need: torch.Tensor) -> None:
+        """Make the blocks `need` (sorted, distinct) resident where the cache allows."""
+        self.clock += 1
+        slots = self.block_slot[layer][need]
+        hit = slots >= 0
+        n_hit = int(hit.sum())
+        self.stats.lookups += need.numel()
+        self.stats.hits += n_hit
+        self.last_use[layer][slots[hit]] = self.clock
+        misses = need[~hit]
+        if misses.numel() == 0:
+            return
+        self.stats.misses += misses.numel()
+        free = (self.slot_block[layer] < 0).nonzero().squeeze(1)
+        if misses.numel() <= free.numel():
+            self._copy_in(layer, misses, free[: misses.numel()])
+            return
+        occupied = (self.slot_block[layer] >= 0).nonzero().squeeze(1)
+        resident_blocks = self.slot_block[layer][occupied]
+        cand = torch.cat([resident_blocks, misses])
+        n_res = occupied.numel()
+        index, session = self._session_info(cand)
+        needed = torch.cat([self.last_use[layer][occupied] == self.clock,
+                            torch.ones(misses.numel(), dtype=torch.bool)])
+        self._update_spans(session[needed], index[needed])
+        span = torch.where(session >= 0, self.span[session.clamp(min=0)], 0)
+        usage = BlockUsage(
+            block=cand,
+            last_use=torch.cat([self.last_use[layer][occupied],
+                                torch.full((misses.numel(),), self.clock, dtype=torch.int64)]),
+            needed=needed,
+            resident=torch.cat([torch.ones(n_res, dtype=torch.bool),
+                                torch.zeros(misses.numel(), dtype=torch.bool)]),
+            index=index,
+            span=span,
+        )
+        keep = choose_resident(usage, self.slots, self.residency)
+        evict = occupied[~keep[:n_res]]
+        admit = misses[keep[n_res:]]
+        self.stats.overflow_blocks += int((~keep & needed).sum())
+        self.block_slot[layer][self.slot_block[layer][evict]] = -1
+        self.slot_block[layer][evict] = -1
+        self._copy_in(layer, admit, torch.cat([free, evict])[: admit.numel()])
+
+    def _copy_in(self, layer: int, blocks: torch.Tensor, slots: torch.Tensor) -> None:
+        """Copy `blocks` host -> cache `slots`: one index_copy_ per run for all of them."""
+        m = blocks.numel()
+        if m == 0:
+            return
+        jobs = []
+        for name, src in self.host[layer].items():
+            shape = (self.block, *src.shape[1:])
+            rows = self.area[name][layer * self.rows : (layer + 1) * self.rows]
+            dest = rows.view(self.slots, *shape)
+            jobs.append((dest, slots, src.view(self.num_blocks, *shape), blocks))
+        self.uploader.copy(jobs)
+        self.block_slot[layer][blocks] = slots
+        self.slot_block[layer][slots] = blocks
+        self.last_use[layer][slots] = self.clock
+        self.stats.blocks_copied += m
+        self.stats.bytes_copied += m * self.block * self.fmt.cell_bytes()
+
+    # ---- session information for the policy ------------------------------------------
+    def _session_info(self, blocks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(index of each block inside its session or -1, its session or -1) from the tables."""
+        pool = self.pool
+        owner, entry = self._chunk_maps()
+        first_cell = blocks * self.block
+        chunk = first_cell // pool.chunk_size
+        session = owner[chunk]
+        pos = entry[chunk] * pool.chunk_size + first_cell % pool.chunk_size
+        index = torch.where(session >= 0, pos // self.block, -1)
+        return index, session
+
+    def _chunk_maps(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """Per pool chunk: the owning session and its table entry (-1: free or trash).
+
+        Rebuilt only when the chunk tables changed since the last call.
+        """
+        pool = self.pool
+        key = self._maps_key
+        reserved = tuple(pool.reserved)
+        if key is not None and key[1] == reserved and torch.equal(key[0], pool.tables):
+            return self._maps
+        tables = pool.tables
+        width = tables.shape[1]
+        owned = torch.arange(width)[None, :] < torch.tensor(reserved)[:, None]
+        n_chunks = pool.num_chunks + 1
+        owner = torch.full((n_chunks,), -1, dtype=torch.int64)
+        entry = torch.full((n_chunks,), -1, dtype=torch.int64)
+        owner[tables[owned]] = torch.arange(pool.num_sessions)[:, None].expand_as(tables)[owned]
+        entry[tables[owned]] = torch.arange(width)[None, :].expand_as(tables)[owned]
+        self._maps_key = (tables.clone(), reserved)
+        self._maps = (owner, entry)
+        return self._maps
+
+    def _update_spans(self, session: torch.Tensor, index: torch.Tensor) -> None:
+        """A read covers its sessions' positions [0, end): their spans are known exactly now."""
+        ok = session >= 0
+        if bool(ok.any()):
+            s, i = session[ok], index[ok]
+            self.span[s.unique()] = 0
+            self.span.scatter_reduce_(0, s, i + 1, reduce="amax")
+
+
+def streamed_pool(
+    fmt: KvFormat,
+    num_layers: int,
+    num_sessions: int,
+    max_context: int,
+    chunk_size: int,
+    pool_tokens: int | None,
+    device: torch.device | str,
+    resident_cells: int,
+    block_cells: int = DEFAULT_BLOCK_CELLS,
+    residency: ResidencyConfig | None = None,
+) -> KvPool:
+    """A KvPool whose storage is the host store and whose cell I/O streams to `device`.
+
+    The chunk tables and the cell indices attention builds stay on `device`;
+    only the storage lives on the host (pinned when `device` is CUDA).
+    """
+    dev = torch.device(device)
+    pool = KvPool(fmt, num_layers, num_sessions, max_context, chunk_size, pool_tokens,
+                  "cpu", pin=dev.type == "cuda")
+    if dev.type != "cpu":
+        pool.device = dev
+        pool.tables_device = pool.tables.to(dev)
+    pool.store = StreamStore(pool, resident_cells, block_cells, dev, residency)
+    return pool
