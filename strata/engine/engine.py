@@ -28,6 +28,7 @@ from strata.engine.types import FinishReason, SamplingParams, StreamEvent
 from strata.errors import BadRequest, ContextTooLong, ModelLoadError, QueueFull, StrataError
 from strata.kv.formats import make_format
 from strata.kv.pool import KvPool
+from strata.kv.stream import streamed_pool
 from strata.models import load_model
 from strata.tokenizer import IncrementalDetokenizer
 
@@ -58,9 +59,14 @@ class Engine:
         self.dtype = next(self.loaded.model.parameters()).dtype
         kv_name = _KV_AUTO[self.dtype] if config.kv == "auto" else config.kv
         fmt = make_format(kv_name, mc.num_kv_heads, mc.head_dim)
-        self.pool = KvPool(fmt, mc.num_layers, config.parallel, config.max_context,
-                           min(config.kv_chunk, config.max_context), config.kv_pool_tokens,
-                           self.device, pin=False)
+        chunk = min(config.kv_chunk, config.max_context)
+        if config.kv_resident is not None:  # K/V in (pinned) host RAM, N cells per layer on the device
+            self.pool = streamed_pool(fmt, mc.num_layers, config.parallel, config.max_context, chunk,
+                                      config.kv_pool_tokens, self.device,
+                                      resident_cells=config.kv_resident)
+        else:
+            self.pool = KvPool(fmt, mc.num_layers, config.parallel, config.max_context, chunk,
+                               config.kv_pool_tokens, self.device, pin=False)
         self.scheduler = Scheduler(self.pool, config.parallel, config.prefill_chunk,
                                    prefix_reuse=config.prefix_reuse)
         self.conversations: ConversationCache | None = None
@@ -165,6 +171,7 @@ class Engine:
             "conversation_restores": c.restores,
             "conversation_tokens_restored": c.restored_tokens,
             "conversation_cache": self.conversations.stats().as_dict() if self.conversations else None,
+            "kv_stream": pool.store.figures() if pool.store is not None else None,
         }
 
     def close(self) -> None:
