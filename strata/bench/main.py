@@ -14,8 +14,9 @@ from strata.engine.types import SamplingParams
 
 def add_bench_arguments(parser: argparse.ArgumentParser) -> None:
     g = parser.add_argument_group("bench")
-    g.add_argument("--suite", default="decode", choices=["decode", "pool", "all"],
-                   help="decode: prompt and decode tokens/s; pool: pool memory and move time")
+    g.add_argument("--suite", default="decode", choices=["decode", "pool", "all", "gpu"],
+                   help="decode: prompt and decode tokens/s; pool: pool memory and move time; "
+                        "gpu: the GPU harness on --model (see docs/GPU.md)")
     g.add_argument("--prompt-tokens", type=int, default=512)
     g.add_argument("--gen-tokens", type=int, default=128)
     g.add_argument("--lanes", default="1", help="comma-separated lane counts for decode, e.g. 1,4,16")
@@ -90,6 +91,15 @@ def run_bench(args: argparse.Namespace) -> int:
     from strata.bench.pool_bench import bench_pool
     from strata.engine.engine import Engine
 
+    if args.suite == "gpu":
+        from strata.bench.gpu_bench import main as gpu_main
+
+        if not args.model:
+            raise SystemExit("strata bench --suite gpu needs --model FILE.gguf "
+                             "(write one with python -m strata.bench.synth)")
+        argv = [args.model, "--lanes", args.lanes, "--prompt-tokens", str(args.prompt_tokens),
+                "--gen-tokens", str(args.gen_tokens)]
+        return gpu_main(argv + (["--out", args.out] if args.out else []))
     cfg = config_from_args(args)
     lanes = [int(x) for x in args.lanes.split(",")]
     cfg.parallel = max(cfg.parallel, max(lanes))
