@@ -19,9 +19,9 @@ from starlette.responses import JSONResponse, Response
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 import strata
-from strata.serve import anthropic_api, openai_api
+from strata.serve import anthropic_api, openai_api, slots
 from strata.serve.errors import ApiError, error_response
-from strata.serve.state import ServeState, serve_state
+from strata.serve.state import ENGINE_STOPPED, ServeState, serve_state
 from strata.serve.streaming import ClientDisconnected
 
 log = logging.getLogger("strata.serve")
@@ -137,8 +137,7 @@ def build_app(
     app.state.strata = state
     app.include_router(openai_api.router)
     app.include_router(anthropic_api.router)
-    # Session-file endpoints (save/restore a conversation under session_dir) belong to a
-    # later issue; they will be another router included here, reading state.session_dir.
+    app.include_router(slots.router)  # session files: save/restore a lane under --session-dir
 
     @app.exception_handler(ApiError)
     async def _api_error(request: Request, exc: ApiError) -> Response:
@@ -160,6 +159,8 @@ def build_app(
     @app.get("/health")
     async def health(request: Request) -> JSONResponse:
         st = serve_state(request)
+        if st.engine is not None and not st.engine.alive:
+            return JSONResponse({"status": "error", "message": ENGINE_STOPPED}, status_code=503)
         if st.engine is not None:
             return JSONResponse({"status": "ok", "model": st.model_name})
         if st.load_error is not None:
@@ -184,6 +185,7 @@ def build_app(
         })
 
     known = {"/health", "/metrics", "/v1/state"}
-    known |= {r.path for router in (openai_api.router, anthropic_api.router) for r in router.routes}
+    routers = (openai_api.router, anthropic_api.router, slots.router)
+    known |= {r.path for router in routers for r in router.routes}
     app.add_middleware(AccessMiddleware, state=state, known_paths=known)
     return app

@@ -23,9 +23,13 @@ PREFIX = "strata_engine_"
 # Engine figures that only ever grow: exposed as counters (name_total).
 MONOTONIC_KEYS = {
     "prefix_reuse_hits", "prefix_tokens_reused", "refusals", "truncations", "evictions", "moves", "steps",
+    "step_errors", "conversation_parks", "conversation_restores", "conversation_tokens_restored",
 }
 # The label used when a figure is a dict: chunks per session are keyed by lane.
-DICT_LABELS = {"chunks_per_session": "lane", "refusals": "reason"}
+DICT_LABELS = {"chunks_per_session": "lane", "tokens_per_session": "lane", "refusals": "reason"}
+# Dicts of distinct figures (not one figure per label): one gauge each, named key_sub.
+# None means the feature is off; `key_enabled` tells that apart from a cache at zero.
+FLATTENED_KEYS = {"conversation_cache"}
 
 TTFT_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
 ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5)
@@ -59,8 +63,24 @@ class EngineCollector(Collector):
         ready.add_metric([], 0.0 if stats is None else 1.0)
         yield ready
         for key, value in sorted((stats or {}).items()):
+            if key in FLATTENED_KEYS:
+                yield from self._flattened(str(key), value)
+                continue
             family = self._family(str(key), value)
             if family is not None:
+                yield family
+
+    @staticmethod
+    def _flattened(key: str, value: Any) -> Iterator[Metric]:
+        enabled = GaugeMetricFamily(_metric_name(f"{key}_enabled"), f"1 when the engine's {key} is on")
+        enabled.add_metric([], 0.0 if value is None else 1.0)
+        yield enabled
+        for sub, sub_value in sorted((value or {}).items(), key=lambda kv: str(kv[0])):
+            number = _number(sub_value)
+            if number is not None:
+                name = _metric_name(f"{key}_{sub}")
+                family = GaugeMetricFamily(name, f"engine figure {key}[{sub!r}] from Engine.stats()")
+                family.add_metric([], number)
                 yield family
 
     def _family(self, key: str, value: Any) -> Metric | None:

@@ -16,13 +16,15 @@ from starlette.requests import Request
 from strata.serve.errors import ApiError
 from strata.serve.metrics import ServeMetrics
 
+ENGINE_STOPPED = "the engine loop has stopped and cannot serve requests; restart the server"
+
 
 @dataclass
 class ServeState:
     engine: Any | None
     model_name: str
     api_key: str | None = None
-    session_dir: str | None = None  # session-file endpoints (a later issue) are confined here
+    session_dir: str | None = None  # the engine's --session-dir (the engine enforces it)
     load_error: str | None = None
     started: float = field(default_factory=time.time)
     metrics: ServeMetrics = field(init=False)
@@ -36,6 +38,8 @@ class ServeState:
     def ready_engine(self) -> Any:
         """The loaded engine, or a 503 that tells the client to come back."""
         if self.engine is not None:
+            if not self.engine.alive:  # a dead loop would never answer: say so instead of hanging
+                raise ApiError(503, ENGINE_STOPPED, code="engine_stopped")
             return self.engine
         if self.load_error is not None:
             raise ApiError(503, f"the model failed to load: {self.load_error}", code="model_load_failed")

@@ -4,17 +4,22 @@ One character is one token, so counts are easy to check by eye. The reply
 depends only on the prompt, the seed and the sampling switches, and knobs
 (`refuse`, `fail_after`, `truncate_after`, `delay`) reproduce the engine's
 refusals, failures and slow streams. Every generate() call and every cancel
-is recorded for assertions.
+is recorded for assertions. Session calls answer from the lane's token count
+(or raise `session_error`) without touching files: the real engine's file
+handling is tested against real `strata serve` processes.
 """
 
 from __future__ import annotations
 
 import asyncio
 import random
+from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
-from typing import Any, AsyncIterator
+from types import SimpleNamespace
+from typing import Any, ClassVar
 
 from strata.engine.config import EngineConfig
+from strata.engine.sessions import SessionFilesDisabled, SessionResult
 from strata.engine.types import FinishReason, SamplingParams, StreamEvent, TokenLogprob
 from strata.errors import BadRequest
 
@@ -25,7 +30,7 @@ WORDS = ["alpha", "bravo", "charlie", "delta", "echo", "foxtrot", "golf", "hotel
 
 class FakeTokenizer:
     chat_template = "fake"
-    stop_token_ids = [EOS]
+    stop_token_ids: ClassVar[list[int]] = [EOS]
     vocab_size = 0x110000 + OFFSET
 
     def __init__(self) -> None:
@@ -74,7 +79,7 @@ def reply_for(prompt: str, params: SamplingParams) -> str:
 
 @dataclass
 class FakeHandle:
-    engine: "FakeEngine"
+    engine: FakeEngine
     prompt_ids: list[int]
     params: SamplingParams
     cancelled: bool = False
@@ -101,7 +106,7 @@ class FakeHandle:
             async for ev in self._run(full, cached):
                 yield ev
         finally:
-            eng.release_lane(lane)
+            eng.release_lane(lane, self)
 
     async def _run(self, full: str, cached: int) -> AsyncIterator[StreamEvent]:
         eng, p = self.engine, self.params
@@ -198,7 +203,13 @@ class FakeEngine:
         self.calls: list[tuple[list[int], SamplingParams]] = []
         self.cancels: list[FakeHandle] = []
         self.seen: list[list[int]] = []
+        self.config.session_dir = None
         self.lanes: dict[int, FakeHandle | None] = {i: None for i in range(self.config.parallel)}
+        self.held: dict[int, int] = {}  # tokens each idle lane keeps after its request
+        self.dead = False
+        self.session_error: Exception | None = None
+        self.session_calls: list[tuple[str, int, str]] = []
+        self.conversation_cache: dict[str, int] | None = None
         self.prefix_reuse_hits = 0
         self.refusals = 0
         self.truncations = 0
@@ -214,8 +225,36 @@ class FakeEngine:
         self.lanes[lane] = handle
         return lane
 
-    def release_lane(self, lane: int) -> None:
-        self.lanes[lane] = None
+    def release_lane(self, lane: int, handle: FakeHandle) -> None:
+        """Free `lane` if `handle` still has it: a stream finalized late (after a reset
+        between tests) must not free the lane of the request that came after it."""
+        if self.lanes.get(lane) is handle:
+            self.held[lane] = len(handle.prompt_ids) + handle.events_sent
+            self.lanes[lane] = None
+
+    @property
+    def alive(self) -> bool:
+        return not (self.closed or self.dead)
+
+    @property
+    def scheduler(self) -> SimpleNamespace:
+        """What the slot listing reads of the real scheduler: each lane's index and request."""
+        return SimpleNamespace(lanes=[SimpleNamespace(index=i, request=h) for i, h in self.lanes.items()])
+
+    def _session(self, action: str, lane: int, filename: str) -> SessionResult:
+        self.session_calls.append((action, lane, filename))
+        if self.config.session_dir is None:
+            raise SessionFilesDisabled()
+        if self.session_error is not None:
+            raise self.session_error
+        n = self.held.get(lane, 0)
+        return SessionResult(lane, filename, n, 100 + 8 * n)
+
+    def save_session(self, lane: int, filename: str) -> SessionResult:
+        return self._session("save", lane, filename)
+
+    def restore_session(self, lane: int, filename: str) -> SessionResult:
+        return self._session("restore", lane, filename)
 
     def stats(self) -> dict[str, Any]:
         busy = [h for h in self.lanes.values() if h is not None]
@@ -225,6 +264,9 @@ class FakeEngine:
             "pool_cells_used": used,
             "pool_cells_free": 4096 - used,
             "chunks_per_session": {i: (1 if h is not None else 0) for i, h in self.lanes.items()},
+            "tokens_per_session": {i: self.held.get(i, 0) if h is None else len(h.prompt_ids)
+                                   for i, h in self.lanes.items()},
+            "lanes_total": len(self.lanes),
             "lanes_busy": len(busy),
             "lanes_idle": len(self.lanes) - len(busy),
             "queue_length": 0,
@@ -234,6 +276,7 @@ class FakeEngine:
             "truncations": self.truncations,
             "kv_format": "bf16",
             "pool_shared": True,
+            "conversation_cache": self.conversation_cache,
         }
 
     def close(self) -> None:

@@ -14,7 +14,7 @@ from gguf import GGUFWriter
 
 from strata.gguf import GGUFFile
 
-HIDDEN, FFN, LAYERS, HEADS, KV_HEADS = 64, 128, 2, 4, 2
+HIDDEN, LAYERS, HEADS, KV_HEADS = 64, 2, 4, 2
 
 
 def _copy_tokenizer(w: GGUFWriter, metadata: dict) -> None:
@@ -31,10 +31,12 @@ def _copy_tokenizer(w: GGUFWriter, metadata: dict) -> None:
             w.add_array(key, value)
 
 
-def write_tiny_gguf(default_gguf: Path, path: Path, seed: int = 0) -> Path:
+def write_tiny_gguf(default_gguf: Path, path: Path, seed: int = 0, hidden: int = HIDDEN) -> Path:
+    """`hidden` other than the default gives another model (another identity, other K/V shapes)."""
     source = GGUFFile(str(default_gguf)).metadata
     vocab = int(source["llama.vocab_size"])
-    head_dim = HIDDEN // HEADS
+    head_dim = hidden // HEADS
+    ffn = 2 * hidden
     rng = np.random.default_rng(seed)
 
     def weight(rows: int, cols: int) -> np.ndarray:
@@ -44,8 +46,8 @@ def write_tiny_gguf(default_gguf: Path, path: Path, seed: int = 0) -> Path:
     w.add_name("tiny")
     w.add_block_count(LAYERS)
     w.add_context_length(2048)
-    w.add_embedding_length(HIDDEN)
-    w.add_feed_forward_length(FFN)
+    w.add_embedding_length(hidden)
+    w.add_feed_forward_length(ffn)
     w.add_head_count(HEADS)
     w.add_head_count_kv(KV_HEADS)
     w.add_rope_dimension_count(head_dim)
@@ -53,19 +55,19 @@ def write_tiny_gguf(default_gguf: Path, path: Path, seed: int = 0) -> Path:
     w.add_layer_norm_rms_eps(1e-5)
     w.add_vocab_size(vocab)
     _copy_tokenizer(w, source)
-    w.add_tensor("token_embd.weight", weight(vocab, HIDDEN).astype(np.float16))
-    w.add_tensor("output_norm.weight", np.ones(HIDDEN, dtype=np.float32))
+    w.add_tensor("token_embd.weight", weight(vocab, hidden).astype(np.float16))
+    w.add_tensor("output_norm.weight", np.ones(hidden, dtype=np.float32))
     for i in range(LAYERS):
         p = f"blk.{i}."
-        w.add_tensor(p + "attn_norm.weight", np.ones(HIDDEN, dtype=np.float32))
-        w.add_tensor(p + "attn_q.weight", weight(HEADS * head_dim, HIDDEN))
-        w.add_tensor(p + "attn_k.weight", weight(KV_HEADS * head_dim, HIDDEN))
-        w.add_tensor(p + "attn_v.weight", weight(KV_HEADS * head_dim, HIDDEN))
-        w.add_tensor(p + "attn_output.weight", weight(HIDDEN, HEADS * head_dim))
-        w.add_tensor(p + "ffn_norm.weight", np.ones(HIDDEN, dtype=np.float32))
-        w.add_tensor(p + "ffn_gate.weight", weight(FFN, HIDDEN))
-        w.add_tensor(p + "ffn_up.weight", weight(FFN, HIDDEN))
-        w.add_tensor(p + "ffn_down.weight", weight(HIDDEN, FFN))
+        w.add_tensor(p + "attn_norm.weight", np.ones(hidden, dtype=np.float32))
+        w.add_tensor(p + "attn_q.weight", weight(HEADS * head_dim, hidden))
+        w.add_tensor(p + "attn_k.weight", weight(KV_HEADS * head_dim, hidden))
+        w.add_tensor(p + "attn_v.weight", weight(KV_HEADS * head_dim, hidden))
+        w.add_tensor(p + "attn_output.weight", weight(hidden, HEADS * head_dim))
+        w.add_tensor(p + "ffn_norm.weight", np.ones(hidden, dtype=np.float32))
+        w.add_tensor(p + "ffn_gate.weight", weight(ffn, hidden))
+        w.add_tensor(p + "ffn_up.weight", weight(ffn, hidden))
+        w.add_tensor(p + "ffn_down.weight", weight(hidden, ffn))
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()

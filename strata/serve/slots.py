@@ -1,0 +1,118 @@
+"""llama.cpp-style slot endpoints: list lanes, save a lane's conversation to a file, restore one.
+
+`POST /slots/{id}?action=save|restore` with `{"filename": NAME}` and `GET /slots`.
+The engine owns the files (confined to its --session-dir) and every check on
+them; this module parses the request, runs the blocking engine call off the
+event loop and maps the engine's errors to OpenAI-shaped answers, so a bad
+file or name is a 4xx and never reaches the pool.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from typing import Any
+
+from fastapi import APIRouter, Request
+from starlette.responses import JSONResponse
+
+from strata.errors import SessionFileError, StrataError
+from strata.serve.errors import ApiError, from_strata_error, parse_json_object
+from strata.serve.state import serve_state
+
+router = APIRouter()
+
+ACTIONS = ("save", "restore")
+BODY_FIELDS = {"filename"}
+
+
+def _slot_id(raw: str, lanes: int) -> int:
+    """The lane index from the path; a 400 naming id_slot for anything else."""
+    if not (raw.isascii() and raw.isdigit()) or int(raw) >= lanes:
+        raise ApiError(400, f"invalid slot id {raw!r}: slots are 0..{lanes - 1}", param="id_slot",
+                       code="invalid_request")
+    return int(raw)
+
+
+def _filename(body: bytes) -> str:
+    data = parse_json_object(body)
+    unknown = sorted(set(data) - BODY_FIELDS)
+    if unknown:
+        raise ApiError(400, f"Unrecognized request field: '{unknown[0]}'", param=unknown[0],
+                       code="invalid_request")
+    name = data.get("filename")
+    if not isinstance(name, str) or not name:
+        raise ApiError(400, "'filename' is required: the name of a file in the --session-dir folder",
+                       param="filename", code="invalid_request")
+    return name
+
+
+def session_error(exc: Exception, filename: str) -> ApiError | None:
+    """The HTTP answer for an engine error raised by a session call; None if unexpected."""
+    from strata.engine.sessions import SessionFilesDisabled  # the engine is loaded by now
+
+    if isinstance(exc, SessionFilesDisabled):
+        return ApiError(501, str(exc), code="session_files_disabled")
+    if isinstance(exc, SessionFileError):  # named as the client named it: no server paths
+        return ApiError(400, f"session file {filename!r}: {exc.problem}", param="filename",
+                        code="invalid_session_file")
+    mapped = from_strata_error(exc)
+    if mapped is None and isinstance(exc, StrataError):  # e.g. the engine shutting down
+        mapped = ApiError(503, str(exc), code="engine_unavailable", headers={"Retry-After": "1"})
+    return mapped
+
+
+async def _engine_call(fn: Any, lane: int, filename: str) -> Any:
+    """Run a blocking engine session method in a thread; engine errors become API errors."""
+    try:
+        return await asyncio.to_thread(fn, lane, filename)
+    except Exception as exc:
+        mapped = session_error(exc, filename)
+        if mapped is None:
+            raise
+        raise mapped from None
+
+
+def lane_table(engine: Any) -> list[dict[str, Any]]:
+    """One row per lane: what it holds and whether a request is using it now."""
+    stats = engine.stats()
+    tokens = stats.get("tokens_per_session", {})
+    chunks = stats.get("chunks_per_session", {})
+    # stats() counts busy lanes but does not say which; the scheduler's lanes do.
+    busy = {lane.index for lane in engine.scheduler.lanes if lane.request is not None}
+    rows = []
+    for index in range(int(stats["lanes_total"])):
+        n = int(tokens.get(index, 0))
+        state = "busy" if index in busy else ("idle" if n else "empty")
+        rows.append({"id": index, "state": state, "n_tokens": n, "chunks": int(chunks.get(index, 0))})
+    return rows
+
+
+@router.get("/slots")
+async def list_slots(request: Request) -> JSONResponse:
+    engine = serve_state(request).ready_engine()
+    return JSONResponse(lane_table(engine))
+
+
+@router.post("/slots/{id_slot}")
+async def slot_action(request: Request, id_slot: str) -> JSONResponse:
+    engine = serve_state(request).ready_engine()
+    action = request.query_params.get("action")
+    if action not in ACTIONS:
+        got = "no action" if action is None else f"action {action!r}"
+        raise ApiError(400, f"{got}: use ?action=save or ?action=restore", param="action",
+                       code="invalid_request")
+    lane = _slot_id(id_slot, int(engine.stats()["lanes_total"]))
+    filename = _filename(await request.body())
+    t0 = time.perf_counter()
+    if action == "save":
+        result = await _engine_call(engine.save_session, lane, filename)
+        ms = round((time.perf_counter() - t0) * 1000, 3)
+        return JSONResponse({"id_slot": result.lane, "filename": result.filename,
+                             "n_saved": result.n_tokens, "n_written": result.n_bytes,
+                             "timings": {"save_ms": ms}})
+    result = await _engine_call(engine.restore_session, lane, filename)
+    ms = round((time.perf_counter() - t0) * 1000, 3)
+    return JSONResponse({"id_slot": result.lane, "filename": result.filename,
+                         "n_restored": result.n_tokens, "n_read": result.n_bytes,
+                         "timings": {"restore_ms": ms}})
