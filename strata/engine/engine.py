@@ -154,6 +154,10 @@ class Engine:
             "kv_format": pool.fmt.name,
             "kv_chunk": pool.chunk_size,
             "chunks_per_session": {lane.index: pool.reserved[lane.index] for lane in sched.lanes},
+            "lanes": [{"id": lane.index,
+                       "state": "busy" if lane.request is not None else ("idle" if lane.tokens else "empty"),
+                       "n_tokens": len(lane.tokens), "chunks": pool.reserved[lane.index]}
+                      for lane in sched.lanes],
             "tokens_per_session": {lane.index: len(lane.tokens) for lane in sched.lanes},
             "lanes_total": len(sched.lanes),
             "lanes_busy": busy,
@@ -170,7 +174,7 @@ class Engine:
             "conversation_parks": c.parks,
             "conversation_restores": c.restores,
             "conversation_tokens_restored": c.restored_tokens,
-            "conversation_cache": self.conversations.stats().as_dict() if self.conversations else None,
+            "conversation_cache": self.conversations.stats().as_dict() if self.conversations is not None else None,
             "kv_stream": pool.store.figures() if pool.store is not None else None,
         }
 

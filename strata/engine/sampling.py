@@ -276,7 +276,9 @@ def _raw_logprobs(
     wants = [min(max(params[i].logprobs or 0, 0), lp.shape[1]) for i in rows]
     k_max = max(wants)
     if k_max > 0:
-        top_vals, top_ids = lp.topk(k_max, dim=-1)
+        # a stable sort lists tied tokens lowest id first, the order greedy's argmax picks them
+        top_vals, top_ids = torch.sort(lp, dim=-1, descending=True, stable=True)
+        top_vals, top_ids = top_vals[:, :k_max], top_ids[:, :k_max]
         top_vals_l, top_ids_l = top_vals.tolist(), top_ids.tolist()
     else:
         top_vals_l = top_ids_l = [[] for _ in rows]

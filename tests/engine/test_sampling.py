@@ -401,3 +401,14 @@ def test_logprobs_with_text() -> None:
     tl = out.logprobs[0].with_text(lambda t: "abc"[t])
     assert tl.token_id == 1 and tl.text == "b"
     assert [(t, s) for t, s, _ in tl.top] == [(1, "b"), (2, "c")]
+
+
+def test_top_logprobs_list_tied_tokens_in_greedy_order() -> None:
+    """With tied logits, the first alternative is the token greedy decoding picks."""
+    from strata.engine.sampling import sample
+
+    logits = torch.zeros(1, 50)
+    logits[0, [7, 3, 40]] = 5.0
+    res = sample(logits, [SamplingParams(logprobs=3)], [[]], [None])
+    assert res.tokens.tolist() == [3]
+    assert [t for t, _ in res.logprobs[0].top] == [3, 7, 40]
