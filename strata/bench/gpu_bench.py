@@ -56,26 +56,46 @@ def attach_tokenizer(loaded: Any) -> None:
 def use_gpu_attention(engine: Engine) -> str:
     """The attention context the engine's steps use on this pool; points the runner at the kernels.
 
-    A runner with the `context_class` hook (docs/GPU.md) has already chosen;
-    an older one names `TableAttention` in its module, which is redirected.
+    A hooked runner (docs/GPU.md: `context`, or `context_class` in the first
+    proposal) has already chosen; an older one names `TableAttention` in its
+    module, which is redirected.
     """
     from strata.engine import runner as runner_module
     from strata.kv.gpu_attention import context_class
 
-    if getattr(engine.runner, "context_class", None) is not None:
-        return engine.runner.context_class.__name__
+    for attr in ("context", "context_class"):
+        chosen = getattr(engine.runner, attr, None)
+        if isinstance(chosen, type):
+            return chosen.__name__
     cls = context_class(engine.pool)
     runner_module.TableAttention = cls  # type: ignore[attr-defined,misc]
     return cls.__name__
 
 
-def use_decode_graphs(engine: Engine) -> Any:
-    """Route pure decode steps through CUDA graphs, as the proposed runner hook does (docs/GPU.md)."""
-    from strata.kv.triton.graphs import DecodeGraphs
+def without_decode_graphs(engine: Engine) -> Any:
+    """Take a hooked runner's decode graphs out, so that steps run eagerly; returns them (or None)."""
+    graphs = getattr(engine.runner, "graphs", None)
+    if graphs is not None:
+        engine.runner.graphs = None
+    return graphs
 
+
+def use_decode_graphs(engine: Engine, graphs: Any = None) -> Any:
+    """Route pure decode steps through CUDA graphs: a hooked runner's own (`graphs`, taken out by
+    `without_decode_graphs`, put back), else as the runner hook does (docs/GPU.md)."""
     runner = engine.runner
     if getattr(runner, "graphs", None) is not None:
         return runner.graphs
+    if hasattr(runner, "graphs"):  # the hooked runner: its forward replays whatever it holds
+        if graphs is None:
+            from strata.kv.triton.graphs import DecodeGraphs
+
+            graphs = DecodeGraphs(runner.model, engine.pool, runner.num_heads, runner.scale,
+                                  runner.dtype)
+        runner.graphs = graphs
+        return graphs
+    from strata.kv.triton.graphs import DecodeGraphs
+
     graphs = DecodeGraphs(runner.model, engine.pool, runner.num_heads, runner.scale, runner.dtype)
     eager = runner.forward
 
@@ -286,6 +306,8 @@ def main(argv: list[str] | None = None) -> int:
 
     with Engine(cfg, loaded=loaded) as engine:
         out["attention"] = use_gpu_attention(engine)
+        own_graphs = without_decode_graphs(engine)  # the eager figures first, as before the hook
+        out["runner_hooked"] = hasattr(engine.runner, "graphs")
         out["config"] = {k: getattr(cfg, k) for k in ("parallel", "max_context", "kv_pool_tokens",
                                                         "kv_chunk", "prefill_chunk")}
         out["kv_format"] = engine.pool.fmt.name
@@ -303,7 +325,7 @@ def main(argv: list[str] | None = None) -> int:
         stage("forward_step", lambda: [step_timing(engine, n, args.prompt_tokens) for n in lanes])
         if cuda:
             stage("profile", profiles)
-            use_decode_graphs(engine)
+            use_decode_graphs(engine, own_graphs)
 
             def graph_warmup() -> float:  # captures the padded sizes the runs below use
                 t = time.perf_counter()
