@@ -39,12 +39,42 @@ _KV_AUTO = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"
 
 class Engine:
     def __init__(self, config: EngineConfig, loaded: Any = None) -> None:
-        """Load the model (or take an already loaded one) and start the loop thread."""
+        """Start the loop thread; it loads the model (unless given one) and builds the pool.
+
+        All torch work happens on that one thread: on the CPU, a second thread
+        running torch ops keeps its own OpenMP team, and two teams on two cores
+        made decoding three times slower (measured).
+        """
         self.config = config
-        if config.threads:
-            torch.set_num_threads(config.threads)
         if config.parallel < 1:
             raise BadRequest(f"--parallel must be at least 1, got {config.parallel}", "parallel")
+        self._inbox: deque[Request] = deque()
+        self._calls: deque[tuple[Callable[[], Any], Future]] = deque()
+        self._lock = threading.Lock()
+        self._wake = threading.Event()
+        self._closed = False
+        self._requests = 0
+        self.steps = 0
+        self.step_errors = 0
+        ready: Future = Future()
+        self._thread = threading.Thread(target=self._main, args=(loaded, ready),
+                                        name="strata-engine", daemon=True)
+        self._thread.start()
+        ready.result()  # re-raises a load error here, in the caller's thread
+
+    def _main(self, loaded: Any, ready: Future) -> None:
+        try:
+            self._setup(loaded)
+        except BaseException as e:  # noqa: BLE001 - handed to the constructor's caller
+            ready.set_exception(e)
+            return
+        ready.set_result(None)
+        self._loop()
+
+    def _setup(self, loaded: Any) -> None:
+        config = self.config
+        if config.threads:
+            torch.set_num_threads(config.threads)
         self.loaded = loaded or load_model(config.model, config.device, config.dtype,
                                            weights=config.weights)
         if self.loaded.tokenizer is None:
@@ -76,18 +106,8 @@ class Engine:
             self.scheduler.parking = Parking(self.pool, self.conversations)
         self.runner = Runner(self.loaded.model, self.pool, mc.num_heads, mc.attn_scale,
                              self.dtype, self.device)
-        self.stop_ids = set(self.tokenizer.stop_token_ids) if self.tokenizer else set(mc.eos_token_ids)
+        self.stop_ids = set(self.tokenizer.stop_token_ids)
         self.sessions = SessionFiles(self.scheduler, config.session_dir, self.loaded.identity)
-        self._inbox: deque[Request] = deque()
-        self._calls: deque[tuple[Callable[[], Any], Future]] = deque()
-        self._lock = threading.Lock()
-        self._wake = threading.Event()
-        self._closed = False
-        self._requests = 0
-        self.steps = 0
-        self.step_errors = 0
-        self._thread = threading.Thread(target=self._loop, name="strata-engine", daemon=True)
-        self._thread.start()
 
     # ---- public API ---------------------------------------------------------
     def generate(self, prompt_ids: list[int], params: SamplingParams | None = None) -> RequestHandle:
