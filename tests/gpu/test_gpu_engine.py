@@ -220,12 +220,8 @@ def test_greedy_tokens_match_the_cpu(models: Any, tokenizer: Tokenizer, name: st
     for runs_of in runs.values():
         assert all(len(t) == GREEDY_STEPS for t in runs_of)
     if name == "tiny":
-        if runs["cpu/fp32"] != runs[f"{DEV}/fp32"]:
-            # H200, Triton 3.6 (docs/GPU.md): the kernels' float32 tl.dot runs in TF32, Triton's
-            # default input precision, so float32 logits are ~2.6e-3 off (2.5e-6 through the torch
-            # attention on the same GPU), which this model's large weights turn into other greedy
-            # tokens after 18 and 38 of 64 steps. Passes once float32 dots ask for "ieee".
-            pytest.xfail("float32 Triton attention computes its dot products in TF32")
+        # float32 dots are exact ("ieee"), so float32 greedy tokens match the CPU's
+        assert runs["cpu/fp32"] == runs[f"{DEV}/fp32"]
     else:
         assert min(figures["fp32"]["common_prefix"]) >= GREEDY_STEPS // 2
 

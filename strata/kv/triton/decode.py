@@ -34,7 +34,7 @@ def _decode_kernel(
     qk_scale, sq_t, sq_h, so_t, so_h, num_heads, split_len, num_splits,
     G: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_D: tl.constexpr, CHUNK: tl.constexpr, K_KIND: tl.constexpr, V_KIND: tl.constexpr,
-    DIRECT: tl.constexpr,
+    DIRECT: tl.constexpr, IEEE: tl.constexpr,
 ):
     lane = tl.program_id(0)
     kvh = tl.program_id(1)
@@ -64,7 +64,10 @@ def _decode_kernel(
         cells = cells_of(table_row, pos, nmask, CHUNK)
         k = load_tile(k_data, k_aux, cells, kvh, offs_d, nmask, k_sc, k_sh, k_ac, k_ah,
                       K_KIND, HEAD_DIM, q.dtype.element_ty)
-        s = tl.dot(qt, tl.trans(k)) * qk_scale
+        if IEEE:  # float32: exact products (Triton's default for float32 is TF32)
+            s = tl.dot(qt, tl.trans(k), input_precision="ieee") * qk_scale
+        else:
+            s = tl.dot(qt, tl.trans(k)) * qk_scale
         s = tl.where(nmask[None, :], s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 1))
         alpha = tl.exp2(m_i - m_new)
@@ -72,7 +75,10 @@ def _decode_kernel(
         l_i = l_i * alpha + tl.sum(p, 1)
         v = load_tile(v_data, v_aux, cells, kvh, offs_d, nmask, v_sc, v_sh, v_ac, v_ah,
                       V_KIND, HEAD_DIM, q.dtype.element_ty)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+        if IEEE:
+            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision="ieee")
+        else:
+            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
         m_i = m_new
 
     o = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]  # an empty split gives zeros, not NaN
@@ -159,6 +165,7 @@ def decode_attention(
         split_len, splits,
         G=g, HEAD_DIM=d, BLOCK_G=max(16, triton.next_power_of_2(g)), BLOCK_N=BLOCK_N,
         BLOCK_D=block_d, CHUNK=chunk, K_KIND=k.kind, V_KIND=v.kind, DIRECT=direct,
+        IEEE=q.dtype == torch.float32,
         num_warps=4, num_stages=2,
     )
     if not direct:

@@ -30,6 +30,7 @@ def _prefill_kernel(
     qk_scale, sq_t, sq_h, so_t, so_h,
     G: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_D: tl.constexpr, CHUNK: tl.constexpr, K_KIND: tl.constexpr, V_KIND: tl.constexpr,
+    IEEE: tl.constexpr,
 ):
     blk = tl.program_id(0)
     head = tl.program_id(1)
@@ -62,7 +63,10 @@ def _prefill_kernel(
         cells = cells_of(table_row, kpos, nmask, CHUNK)
         k = load_tile(k_data, k_aux, cells, kvh, offs_d, nmask, k_sc, k_sh, k_ac, k_ah,
                       K_KIND, HEAD_DIM, q.dtype.element_ty)
-        sc = tl.dot(qt, tl.trans(k)) * qk_scale
+        if IEEE:  # float32: exact products (Triton's default for float32 is TF32)
+            sc = tl.dot(qt, tl.trans(k), input_precision="ieee") * qk_scale
+        else:
+            sc = tl.dot(qt, tl.trans(k)) * qk_scale
         sc = tl.where(nmask[None, :] & (kpos[None, :] <= qpos[:, None]), sc, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(sc, 1))  # key 0 is in every row's first block: finite
         alpha = tl.exp2(m_i - m_new)
@@ -70,7 +74,10 @@ def _prefill_kernel(
         l_i = l_i * alpha + tl.sum(p, 1)
         v = load_tile(v_data, v_aux, cells, kvh, offs_d, nmask, v_sc, v_sh, v_ac, v_ah,
                       V_KIND, HEAD_DIM, q.dtype.element_ty)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+        if IEEE:
+            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision="ieee")
+        else:
+            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
         m_i = m_new
 
     o = acc / l_i[:, None]
@@ -116,5 +123,6 @@ def prefill_attention(
         scale * LOG2E, q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         G=hq // hkv, HEAD_DIM=d, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N,
         BLOCK_D=triton.next_power_of_2(d), CHUNK=chunk, K_KIND=k.kind, V_KIND=v.kind,
+        IEEE=q.dtype == torch.float32,
         num_warps=4, num_stages=2,
     )
