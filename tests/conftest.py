@@ -41,3 +41,11 @@ def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory, default_gguf: Path)
                 p.normal_(0.0, 0.2)
     model.save_pretrained(out, safe_serialization=True)
     return out
+
+
+@pytest.fixture(scope="session")
+def tiny_loaded(tiny_model_dir: Path):
+    """The tiny model loaded once (dense bfloat16 on the CPU), shared by engine tests."""
+    from strata.models import load_model
+
+    return load_model(str(tiny_model_dir), device="cpu", dtype="bfloat16", progress=False)

@@ -9,7 +9,6 @@ from strata.engine.engine import Engine
 from strata.engine.sessions import SessionFilesDisabled
 from strata.engine.types import FinishReason, SamplingParams
 from strata.errors import BadRequest, SessionFileError
-from strata.models import load_model
 
 SYSTEM = ("You are a careful assistant for a small library. Answer briefly, cite the shelf "
           "number when you know it, and never invent a book. ") * 3
@@ -22,13 +21,8 @@ QUESTIONS = [
 
 
 @pytest.fixture(scope="module")
-def tiny(tiny_model_dir):
-    loaded = load_model(str(tiny_model_dir), device="cpu", dtype="bfloat16", progress=False)
-    if loaded.tokenizer is None:
-        from strata.tokenizer import Tokenizer
-
-        loaded.tokenizer = Tokenizer.from_folder(tiny_model_dir)
-    return loaded
+def tiny(tiny_loaded):
+    return tiny_loaded
 
 
 def _engine(loaded, **kw) -> Engine:

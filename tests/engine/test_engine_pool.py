@@ -8,7 +8,6 @@ from strata.engine.config import EngineConfig
 from strata.engine.engine import Engine
 from strata.engine.types import FinishReason, SamplingParams
 from strata.errors import ContextTooLong, KvPoolFull, QueueFull
-from strata.models import load_model
 
 PROMPTS = [
     "The quick brown fox",
@@ -20,13 +19,8 @@ PROMPTS = [
 
 
 @pytest.fixture(scope="module")
-def tiny(tiny_model_dir):
-    loaded = load_model(str(tiny_model_dir), device="cpu", dtype="bfloat16", progress=False)
-    if loaded.tokenizer is None:
-        from strata.tokenizer import Tokenizer
-
-        loaded.tokenizer = Tokenizer.from_folder(tiny_model_dir)
-    return loaded
+def tiny(tiny_loaded):
+    return tiny_loaded
 
 
 def _engine(loaded, **kw) -> Engine:

@@ -8,16 +8,11 @@ from strata.engine.config import EngineConfig
 from strata.engine.engine import Engine
 from strata.engine.types import FinishReason, SamplingParams
 from strata.errors import BadRequest
-from strata.models import load_model
 
 
 @pytest.fixture(scope="module")
-def engine(tiny_model_dir):
-    loaded = load_model(str(tiny_model_dir), device="cpu", dtype="bfloat16", progress=False)
-    if loaded.tokenizer is None:
-        from strata.tokenizer import Tokenizer
-
-        loaded.tokenizer = Tokenizer.from_folder(tiny_model_dir)
+def engine(tiny_loaded):
+    loaded = tiny_loaded
     cfg = EngineConfig(model=loaded.path, device="cpu", parallel=4, max_context=256)
     with Engine(cfg, loaded=loaded) as eng:
         yield eng
