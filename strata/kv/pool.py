@@ -221,6 +221,7 @@ class KvPool:
                 else:
                     assert c == self.trash, f"session {s} entry {i} unreserved but points at {c}"
         assert len(seen) + len(self._free) == self.num_chunks, "chunks lost or duplicated"
-        assert not (set(seen) & set(self._free)), "a free chunk is owned"
+        assert not (set(seen) & set(self._free)), "a free chunk is in a table"
+        assert all(self.owner[c] is None for c in self._free), "a free chunk has an owner"
         assert self.used_cells == sum(self.reserved) * self.chunk_size
         assert torch.equal(self.tables_device.cpu(), self.tables), "device tables out of sync"
