@@ -139,7 +139,10 @@ class TableAttention:
         hkv = kc.shape[1]
         grp = hq // hkv
         lp, nb = g.lp, g.lp // BLOCK
-        qg = q[g.rows.reshape(-1)].view(S, nmax, hkv, grp, d)
+        if g.in_order and nmax == 1:  # a decode step: the rows are already in place
+            qg = q.view(S, 1, hkv, grp, d)
+        else:
+            qg = q[g.rows.reshape(-1)].view(S, nmax, hkv, grp, d)
         qh = qg.permute(0, 2, 1, 3, 4).reshape(S * hkv, nmax * grp, d)
         kh = kc.view(S, lp, hkv, d).permute(0, 2, 3, 1).reshape(S * hkv, d, lp)
         if g.hidden is None or g.ones is None or g.ones.dtype != q.dtype:
