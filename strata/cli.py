@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import argparse
+import json
 import sys
+from pathlib import Path
 from typing import Sequence
 
 from strata.engine.config import add_engine_arguments, config_from_args
 from strata.engine.types import SamplingParams
-from strata.errors import StrataError
+from strata.errors import BadRequest, StrataError
 
 
 def add_sampling_arguments(parser: argparse.ArgumentParser) -> None:
@@ -48,6 +50,9 @@ def build_parser() -> argparse.ArgumentParser:
 
     chat = sub.add_parser("chat", help="interactive multi-turn chat")
     chat.add_argument("--system", default=None, help="system message")
+    chat.add_argument("--session", default=None,
+                      help="session file name under --session-dir: restored at start when it "
+                           "exists, saved after every turn (with the conversation's messages)")
     add_engine_arguments(chat)
     add_sampling_arguments(chat)
 
@@ -99,12 +104,29 @@ def cmd_generate(args: argparse.Namespace) -> int:
     return 0
 
 
+def _session_paths(args: argparse.Namespace) -> tuple[Path, Path] | None:
+    """The K/V session file and the messages beside it, both under --session-dir."""
+    if not args.session:
+        return None
+    if not args.session_dir:
+        raise BadRequest("--session needs --session-dir DIR (where session files may live)", "session")
+    from strata.engine.snapshot import resolve_session_path
+
+    path = resolve_session_path(args.session_dir, args.session)
+    return path, path.with_name(path.name + ".messages.json")
+
+
 def cmd_chat(args: argparse.Namespace) -> int:
+    paths = _session_paths(args)
     engine = _engine(args)
     tok = engine.tokenizer
     messages: list[dict] = [{"role": "system", "content": args.system}] if args.system else []
     print(f"strata chat on {engine.model_name}; an empty line or Ctrl-D ends.", file=sys.stderr)
     try:
+        if paths is not None and paths[0].exists() and paths[1].exists():
+            engine.restore_session(0, args.session)  # the K/V: the next turn reads only what is new
+            messages = json.loads(paths[1].read_text())
+            print(f"restored {args.session}: {len(messages)} messages", file=sys.stderr)
         while True:
             try:
                 line = input("> ")
@@ -126,6 +148,10 @@ def cmd_chat(args: argparse.Namespace) -> int:
                 continue
             sys.stdout.write("\n")
             messages.append({"role": "assistant", "content": "".join(reply)})
+            if paths is not None:
+                lane = next(x["id"] for x in engine.stats()["lanes"] if x["n_tokens"])
+                engine.save_session(lane, args.session)
+                paths[1].write_text(json.dumps(messages))
     except KeyboardInterrupt:
         pass
     finally:

@@ -39,3 +39,24 @@ def test_truncated_default_model_copy_is_one_clear_line(tmp_path, capsys, defaul
     rc = main(["generate", "--model", str(bad), "x"])
     err = capsys.readouterr().err.strip().splitlines()
     assert rc == 1 and "cut.gguf" in err[-1] and "Traceback" not in "\n".join(err)
+
+
+def test_chat_session_is_saved_and_restored(tiny_model_dir, tmp_path, capsys, monkeypatch) -> None:
+    import io
+    import json
+
+    args = ["chat", "--model", str(tiny_model_dir), "--max-tokens", "4",
+            "--session-dir", str(tmp_path), "--session", "talk"]
+    monkeypatch.setattr("sys.stdin", io.StringIO("Hello there\n\n"))
+    assert main(args) == 0
+    assert (tmp_path / "talk").is_file()
+    assert len(json.loads((tmp_path / "talk.messages.json").read_text())) == 2
+    monkeypatch.setattr("sys.stdin", io.StringIO("And again\n\n"))
+    assert main(args) == 0
+    assert "restored talk: 2 messages" in capsys.readouterr().err
+    assert len(json.loads((tmp_path / "talk.messages.json").read_text())) == 4
+
+
+def test_chat_session_needs_a_session_dir(tiny_model_dir, capsys) -> None:
+    rc = main(["chat", "--model", str(tiny_model_dir), "--session", "x"])
+    assert rc == 1 and "--session-dir" in capsys.readouterr().err
