@@ -50,6 +50,7 @@ class _Group:
     block_of: torch.Tensor | None = None  # [S*Hkv, 1, nmax*G, D+1] the block each query reads
     ones: torch.Tensor | None = None  # [S*Hkv, nb, BLOCK, 1]: rides along V to sum probabilities
     in_order: bool = False  # the group's valid rows are all the step's rows, in order
+    spans: list[int] | None = None  # first cell of each sequence when its Lp cells are consecutive
 
 
 class TableAttention:
@@ -95,9 +96,19 @@ class TableAttention:
         trash_cell = pool.trash * pool.chunk_size
         keys = []
         ar_k = torch.arange(lp)
+        spans: list[int] | None = [] if pool.store is None else None
         for s in seqs:
             c = pool.cells(s.session, ar_k)
             keys.append(torch.where(ar_k < s.end, c, trash_cell))
+            if spans is not None:
+                # the cells it reads are consecutive: read them as a view, not a gather (the
+                # positions past its end read finite cells that the mask hides, as trash would)
+                base = int(c[0])
+                n_cells = (pool.num_chunks + 1) * pool.chunk_size
+                if base + lp <= n_cells and torch.equal(c[: s.end], base + ar_k[: s.end]):
+                    spans.append(base)
+                else:
+                    spans = None
         flat_valid = valid.reshape(-1)
         return _Group(
             rows=rows.to(dev),
@@ -107,6 +118,7 @@ class TableAttention:
             lp=lp,
             out_rows=rows.reshape(-1)[flat_valid].to(dev),
             out_sel=torch.nonzero(flat_valid).reshape(-1).to(dev),
+            spans=spans,
         )
 
     def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
@@ -135,7 +147,13 @@ class TableAttention:
     def _attend_group(self, layer: int, g: _Group, q: torch.Tensor) -> torch.Tensor:
         S, nmax = g.rows.shape
         hq, d = q.shape[1], q.shape[2]
-        kc, vc = self.pool.read(layer, g.key_cells, q.dtype)  # [S*Lp, Hkv, D]
+        if g.spans is not None:  # consecutive cells: views of the pool, no gather
+            st = self.pool.layers[layer]
+            parts = [self.fmt.read(st, slice(b, b + g.lp), q.dtype) for b in g.spans]
+            kc = parts[0][0] if len(parts) == 1 else torch.cat([p[0] for p in parts])
+            vc = parts[0][1] if len(parts) == 1 else torch.cat([p[1] for p in parts])
+        else:
+            kc, vc = self.pool.read(layer, g.key_cells, q.dtype)  # [S*Lp, Hkv, D]
         hkv = kc.shape[1]
         grp = hq // hkv
         lp, nb = g.lp, g.lp // BLOCK

@@ -89,6 +89,11 @@ class KvFormat(ABC):
         return out
 
 
+def _take(t: torch.Tensor, cells: "torch.Tensor | slice") -> torch.Tensor:
+    """Cells of one run: a view for a slice of consecutive cells, a gather for an index tensor."""
+    return t[cells] if isinstance(cells, slice) else t[cells.to(t.device)]
+
+
 def _put(storage: Storage, name: str, cells: torch.Tensor, values: torch.Tensor) -> None:
     """Write `values` [T, ...] at `cells` of one run, on the run's device."""
     dest = storage[name]
@@ -116,8 +121,7 @@ class PlainFormat(KvFormat):
     def read(
         self, storage: Storage, cells: torch.Tensor, dtype: torch.dtype
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        cells = cells.to(storage["k"].device)
-        return storage["k"][cells].to(dtype), storage["v"][cells].to(dtype)
+        return _take(storage["k"], cells).to(dtype), _take(storage["v"], cells).to(dtype)
 
 
 class Int8Format(KvFormat):
@@ -147,9 +151,8 @@ class Int8Format(KvFormat):
     def read(
         self, storage: Storage, cells: torch.Tensor, dtype: torch.dtype
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        cells = cells.to(storage["k_q"].device)
-        k = dequantize_int8(storage["k_q"][cells], storage["k_s"][cells], dtype)
-        v = dequantize_int8(storage["v_q"][cells], storage["v_s"][cells], dtype)
+        k = dequantize_int8(_take(storage["k_q"], cells), _take(storage["k_s"], cells), dtype)
+        v = dequantize_int8(_take(storage["v_q"], cells), _take(storage["v_s"], cells), dtype)
         return k, v
 
 
@@ -175,9 +178,8 @@ class Q4_0Format(KvFormat):
     def read(
         self, storage: Storage, cells: torch.Tensor, dtype: torch.dtype
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        cells = cells.to(storage["k_q4"].device)
-        k = dequantize_q4_0(storage["k_q4"][cells], dtype)
-        v = dequantize_q4_0(storage["v_q4"][cells], dtype)
+        k = dequantize_q4_0(_take(storage["k_q4"], cells), dtype)
+        v = dequantize_q4_0(_take(storage["v_q4"], cells), dtype)
         return k, v
 
 
@@ -219,9 +221,8 @@ class K8V4Format(KvFormat):
     def read(
         self, storage: Storage, cells: torch.Tensor, dtype: torch.dtype
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        cells = cells.to(storage["k_q"].device)
-        k = dequantize_int8(storage["k_q"][cells], storage["k_s"][cells], dtype)
-        return k, dequantize_q4_0(storage["v_q4"][cells], dtype)
+        k = dequantize_int8(_take(storage["k_q"], cells), _take(storage["k_s"], cells), dtype)
+        return k, dequantize_q4_0(_take(storage["v_q4"], cells), dtype)
 
     def finish_output(self, out: torch.Tensor) -> torch.Tensor:
         """Rotate the attention output [..., D] back (the rotation is its own inverse)."""
