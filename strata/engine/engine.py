@@ -160,6 +160,20 @@ class Engine:
         """Restore `filename` from --session-dir into idle lane `lane`."""
         return self.call(lambda: self.sessions.restore(lane, filename)).result()
 
+    def parked(self) -> list[dict[str, int]]:
+        """The parked conversations, least recently used first: id, tokens, bytes."""
+        def rows() -> list[dict[str, int]]:
+            cache = self.conversations
+            if cache is None:
+                return []
+            return [{"id": eid, "n_tokens": cache.entry(eid).kv.n_cells,
+                     "bytes": cache.entry(eid).nbytes()} for eid in cache.entry_ids()]
+        return self.call(rows).result()
+
+    def save_parked_session(self, entry_id: int, filename: str) -> SessionResult:
+        """Save a parked conversation to `filename` under --session-dir."""
+        return self.call(lambda: self.sessions.save_parked(self.conversations, entry_id, filename)).result()
+
     def stats(self) -> dict[str, Any]:
         sched, pool = self.scheduler, self.pool
         busy = sum(1 for lane in sched.lanes if lane.request is not None)

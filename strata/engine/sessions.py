@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from strata.engine.parking import write_runs
 from strata.engine.scheduler import Lane, Scheduler
@@ -55,6 +56,18 @@ class SessionFiles:
         size = save_session(path, lane.tokens, layers, model_identity=self.identity,
                             kv_format=self.pool.fmt.name)
         return SessionResult(lane_index, filename, n, size)
+
+    def save_parked(self, cache: Any, entry_id: int, filename: str) -> SessionResult:
+        """Write a parked conversation (from the conversation cache) to a file."""
+        path = self._path(filename)
+        if cache is None or entry_id not in cache.entry_ids():
+            raise BadRequest(f"no parked conversation {entry_id}", "id")
+        entry = cache.entry(entry_id)
+        layers = entry.kv.layers()
+        n = entry.kv.n_cells
+        size = save_session(path, entry.tokens[:n], layers, model_identity=self.identity,
+                            kv_format=self.pool.fmt.name)
+        return SessionResult(-1, filename, n, size)
 
     def restore(self, lane_index: int, filename: str) -> SessionResult:
         """Read a file into an idle lane, replacing (after parking) its conversation."""

@@ -116,3 +116,28 @@ async def slot_action(request: Request, id_slot: str) -> JSONResponse:
     return JSONResponse({"id_slot": result.lane, "filename": result.filename,
                          "n_restored": result.n_tokens, "n_read": result.n_bytes,
                          "timings": {"restore_ms": ms}})
+
+
+@router.get("/conversations")
+async def list_conversations(request: Request) -> JSONResponse:
+    """The parked conversations (the conversation cache), least recently used first."""
+    engine = serve_state(request).ready_engine()
+    return JSONResponse(await asyncio.to_thread(engine.parked))
+
+
+@router.post("/conversations/{entry_id}")
+async def conversation_action(request: Request, entry_id: str) -> JSONResponse:
+    """`?action=save` with `{"filename"}`: a parked conversation to a session file."""
+    engine = serve_state(request).ready_engine()
+    if request.query_params.get("action") != "save":
+        raise ApiError(400, "use ?action=save (restore a file into a lane with /slots/{id})",
+                       param="action", code="invalid_request")
+    if not (entry_id.isascii() and entry_id.isdigit()):
+        raise ApiError(400, f"invalid conversation id {entry_id!r}", param="id", code="invalid_request")
+    filename = _filename(await request.body())
+    t0 = time.perf_counter()
+    result = await _engine_call(engine.save_parked_session, int(entry_id), filename)
+    ms = round((time.perf_counter() - t0) * 1000, 3)
+    return JSONResponse({"id": int(entry_id), "filename": result.filename,
+                         "n_saved": result.n_tokens, "n_written": result.n_bytes,
+                         "timings": {"save_ms": ms}})

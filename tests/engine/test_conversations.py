@@ -138,3 +138,25 @@ def test_bad_session_files_leave_the_engine_unchanged(tiny, tmp_path) -> None:
     with _engine(tiny, parallel=1) as eng:
         with pytest.raises(SessionFilesDisabled, match="--session-dir"):
             eng.save_session(0, "x")
+
+
+def test_a_parked_conversation_can_be_saved_and_restored(tiny, tmp_path) -> None:
+    a = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": "Alpha?"}]
+    with _engine(tiny, parallel=1, conversation_cache_mib=64, session_dir=str(tmp_path)) as eng:
+        ra = eng.complete(_prompt(tiny, a), PARAMS)
+        eng.complete(_prompt(tiny, [{"role": "user", "content": "Something else."}]), PARAMS)
+        parked = eng.parked()
+        assert len(parked) == 1 and parked[0]["n_tokens"] > 0  # a's conversation left its lane
+        saved = eng.save_parked_session(parked[0]["id"], "alpha")
+        assert saved.n_tokens == parked[0]["n_tokens"]
+        with pytest.raises(BadRequest, match="no parked conversation"):
+            eng.save_parked_session(12345, "nothing")
+    a += [{"role": "assistant", "content": tiny.tokenizer.decode(ra.token_ids)},
+          {"role": "user", "content": "More?"}]
+    ids = _prompt(tiny, a)
+    with _engine(tiny, parallel=1, session_dir=str(tmp_path)) as eng:
+        eng.restore_session(0, "alpha")
+        r = eng.complete(ids, PARAMS)
+    # the reply text re-encodes to other ids than the sampled ones: the prompt part is shared
+    assert r.cached_tokens >= len(_prompt(tiny, a[:2])) - 1
+    assert r.token_ids == _cold(tiny, [ids])[0]
