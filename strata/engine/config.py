@@ -15,7 +15,7 @@ class EngineConfig:
     model: str | None = None  # .gguf file or Hugging Face folder; None = embedded default
     device: str = "auto"  # auto | cpu | cuda | cuda:N
     dtype: str = "auto"  # auto | float32 | bfloat16 | float16
-    weights: str = "auto"  # auto (int8 on the CPU in bfloat16) | dense | int8
+    weights: str = "auto"  # auto (int4/int8 on the CPU in bfloat16) | dense | int8 | int4
     parallel: int = 1  # lanes decoded together
     max_context: int = 4096  # tokens one conversation may reach
     kv_pool_tokens: int | None = None  # shared pool size in cells; None = lanes x max_context
@@ -41,9 +41,10 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--device", default=d.device, help="auto | cpu | cuda | cuda:N (default: auto)")
     g.add_argument("--dtype", default=d.dtype, choices=["auto", "float32", "bfloat16", "float16"],
                    help="compute dtype (default: auto = bfloat16)")
-    g.add_argument("--weights", default=d.weights, choices=["auto", "dense", "int8"],
-                   help="weight storage: dense (exact), int8 (weight-only, faster CPU decode); "
-                        "auto = int8 on the CPU in bfloat16, else dense")
+    g.add_argument("--weights", default=d.weights, choices=["auto", "dense", "int8", "int4"],
+                   help="weight storage: dense (exact), int8 or int4 (weight-only, faster CPU "
+                        "decode); auto = on the CPU in bfloat16 int4 for a 4-bit GGUF, else "
+                        "int8; dense elsewhere")
     g.add_argument("--parallel", "-np", type=int, default=d.parallel, help="lanes decoded together")
     g.add_argument("--max-context", "-c", type=int, default=d.max_context,
                    help="tokens one conversation may reach")

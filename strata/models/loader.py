@@ -24,7 +24,7 @@ from strata.models.architecture import Architecture
 from strata.models.base import ModelConfig
 from strata.models.config import config_from_gguf, config_from_hf, gguf_architecture
 from strata.models.layers import DecoderModel
-from strata.models.quantize import quantize_int8, resolve_weight_mode
+from strata.models.quantize import quantize_weights, resolve_weight_mode
 from strata.models.naming import Part, gguf_parts, hf_parts
 from strata.models.sources import GGUFSource, SafetensorsSource, WeightSource
 from strata.tokenizer import Tokenizer
@@ -46,7 +46,7 @@ class LoadedModel:
     path: str
     device: torch.device
     dtype: torch.dtype
-    weights: str = "dense"  # dense | int8
+    weights: str = "dense"  # dense | int8 | int4
 
 
 def resolve_device(device: str | torch.device, path: str) -> torch.device:
@@ -100,11 +100,11 @@ def load_model(
     _fill(model, source, parts_of, path, dev, dt, progress)
     model.requires_grad_(False).eval()
     model.set_max_positions(cfg.max_position_embeddings)
-    mode = resolve_weight_mode(weights, dev, dt)
+    mode = resolve_weight_mode(weights, dev, dt, four_bit_source=_four_bit(source))
     identity = source.identity()
-    if mode == "int8":
-        quantize_int8(model)
-        identity += "+int8"  # K/V computed with other weights: session files must not mix them
+    if mode in ("int8", "int4"):
+        quantize_weights(model, mode)
+        identity += f"+{mode}"  # K/V computed with other weights: session files must not mix them
     return LoadedModel(
         model=model,
         config=cfg,
@@ -116,6 +116,18 @@ def load_model(
         dtype=dt,
         weights=mode,
     )
+
+
+FOUR_BIT = {"Q4_0", "Q4_1", "Q4_K"}
+
+
+def _four_bit(source: WeightSource) -> bool:
+    """Whether most of a GGUF file's feed-forward weights are stored with 4 bits."""
+    tensors = getattr(getattr(source, "file", None), "tensors", None)
+    if not tensors:
+        return False
+    kinds = [t.type_name for name, t in tensors.items() if ".ffn_" in name and name.endswith(".weight")]
+    return bool(kinds) and sum(k in FOUR_BIT for k in kinds) * 2 > len(kinds)
 
 
 def _open_folder(p: Path) -> Opened:

@@ -14,7 +14,7 @@ pytestmark = pytest.mark.slow
 
 @pytest.fixture(scope="module")
 def loaded():
-    return load_model(None, device="cpu", dtype="bfloat16", weights="auto", progress=False)  # int8
+    return load_model(None, device="cpu", dtype="bfloat16", weights="auto", progress=False)  # int4
 
 
 def _chat(loaded, text: str) -> list[int]:
@@ -42,6 +42,7 @@ def test_lanes_match_running_alone_with_pool_on_and_off(loaded) -> None:
             assert [h.result().token_ids for h in handles] == alone
 
 
-def test_default_weights_on_the_cpu_are_int8(loaded) -> None:
-    assert loaded.weights == "int8"
-    assert loaded.identity.endswith("+int8")
+def test_default_weights_on_the_cpu_follow_the_file(loaded) -> None:
+    """The embedded file is Q4_1: its projections are held as int4, never fewer bits."""
+    assert loaded.weights == "int4"
+    assert loaded.identity.endswith("+int4")
