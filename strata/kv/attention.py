@@ -46,7 +46,7 @@ class _Group:
     lp: int  # padded key length, a multiple of BLOCK
     out_rows: torch.Tensor  # [R] flattened token indices of valid rows
     out_sel: torch.Tensor  # [R] indices into the group's S * nmax rows
-    hidden: torch.Tensor | None = None  # [S*Hkv, nmax*G, Lp] bool: keys a query must not see
+    hidden: torch.Tensor | None = None  # [S*Hkv, nb, nmax*G, BLOCK] bool: keys a query must not see
     block_of: torch.Tensor | None = None  # [S*Hkv, 1, nmax*G, D+1] the block each query reads
     ones: torch.Tensor | None = None  # [S*Hkv, nb, BLOCK, 1]: rides along V to sum probabilities
     in_order: bool = False  # the group's valid rows are all the step's rows, in order
@@ -139,7 +139,8 @@ class TableAttention:
         dev = g.qpos.device
         allowed = torch.arange(lp, device=dev)[None, None, :] <= g.qpos[:, :, None]  # [S,nmax,Lp]
         allowed = allowed[:, None, :, None, :].expand(S, hkv, nmax, grp, lp)
-        g.hidden = ~allowed.reshape(S * hkv, nmax * grp, lp)
+        allowed = allowed.reshape(S * hkv, nmax * grp, lp // BLOCK, BLOCK).transpose(1, 2)
+        g.hidden = ~allowed.contiguous()  # [S*Hkv, nb, nmax*G, BLOCK], the layout of the scores
         qb = (g.qpos // BLOCK)[:, None, :, None].expand(S, hkv, nmax, grp)
         g.block_of = qb.reshape(S * hkv, 1, nmax * grp, 1).expand(-1, -1, -1, d + 1).contiguous()
         g.ones = torch.ones(S * hkv, lp // BLOCK, BLOCK, 1, dtype=dtype, device=dev)
@@ -161,14 +162,15 @@ class TableAttention:
             qg = q.view(S, 1, hkv, grp, d)
         else:
             qg = q[g.rows.reshape(-1)].view(S, nmax, hkv, grp, d)
-        qh = qg.permute(0, 2, 1, 3, 4).reshape(S * hkv, nmax * grp, d)
-        kh = kc.view(S, lp, hkv, d).permute(0, 2, 3, 1).reshape(S * hkv, d, lp)
+        qh = qg.permute(0, 2, 1, 3, 4).reshape(S * hkv, 1, nmax * grp, d)
+        # keys block-major, [S*Hkv, nb, D, BLOCK]: scores come out in the layout p @ V reads
+        kh = kc.view(S, nb, BLOCK, hkv, d).permute(0, 3, 1, 4, 2).reshape(S * hkv, nb, d, BLOCK)
         if g.hidden is None or g.ones is None or g.ones.dtype != q.dtype:
             self._prepare(g, hkv, grp, d, q.dtype)
-        scores = torch.bmm(qh, kh).float().mul_(self.scale)  # [S*Hkv, nmax*G, Lp]
+        scores = torch.matmul(qh, kh).float().mul_(self.scale)  # [S*Hkv, nb, nmax*G, BLOCK]
         scores.masked_fill_(g.hidden, float("-inf"))
-        probs = torch.exp(scores - scores.amax(dim=-1, keepdim=True)).to(q.dtype)
-        pb = probs.view(S * hkv, nmax * grp, nb, BLOCK).transpose(1, 2)  # [S*Hkv, nb, nmax*G, BLOCK]
+        peak = scores.amax(dim=(1, 3), keepdim=True)  # each query's largest score over all blocks
+        pb = torch.exp(scores - peak).to(q.dtype)
         vh = vc.view(S, nb, BLOCK, hkv, d).permute(0, 3, 1, 2, 4).reshape(S * hkv, nb, BLOCK, d)
         ob = torch.matmul(pb, torch.cat([vh, g.ones], dim=-1)).float().cumsum(dim=1)  # [S*Hkv, nb, nmax*G, D+1]
         sel = ob.gather(1, g.block_of).squeeze(1)  # [S*Hkv, nmax*G, D+1]
