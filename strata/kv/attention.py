@@ -48,7 +48,8 @@ class _Group:
     out_sel: torch.Tensor  # [R] indices into the group's S * nmax rows
     hidden: torch.Tensor | None = None  # [S*Hkv, nb, nmax*G, BLOCK] bool: keys a query must not see
     block_of: torch.Tensor | None = None  # [S*Hkv, 1, nmax*G, D+1] the block each query reads
-    ones: torch.Tensor | None = None  # [S*Hkv, nb, BLOCK, 1]: rides along V to sum probabilities
+    ones: torch.Tensor | None = None  # [S*Hkv, nb, BLOCK, D+1]: V of the layer, then a column of
+    # ones that sums the probabilities in the same matmul
     in_order: bool = False  # the group's valid rows are all the step's rows, in order
     spans: list[int] | None = None  # first cell of each sequence when its Lp cells are consecutive
 
@@ -143,7 +144,7 @@ class TableAttention:
         g.hidden = ~allowed.contiguous()  # [S*Hkv, nb, nmax*G, BLOCK], the layout of the scores
         qb = (g.qpos // BLOCK)[:, None, :, None].expand(S, hkv, nmax, grp)
         g.block_of = qb.reshape(S * hkv, 1, nmax * grp, 1).expand(-1, -1, -1, d + 1).contiguous()
-        g.ones = torch.ones(S * hkv, lp // BLOCK, BLOCK, 1, dtype=dtype, device=dev)
+        g.ones = torch.ones(S * hkv, lp // BLOCK, BLOCK, d + 1, dtype=dtype, device=dev)
 
     def _attend_group(self, layer: int, g: _Group, q: torch.Tensor) -> torch.Tensor:
         S, nmax = g.rows.shape
@@ -171,8 +172,9 @@ class TableAttention:
         scores.masked_fill_(g.hidden, float("-inf"))
         peak = scores.amax(dim=(1, 3), keepdim=True)  # each query's largest score over all blocks
         pb = torch.exp(scores - peak).to(q.dtype)
-        vh = vc.view(S, nb, BLOCK, hkv, d).permute(0, 3, 1, 2, 4).reshape(S * hkv, nb, BLOCK, d)
-        ob = torch.matmul(pb, torch.cat([vh, g.ones], dim=-1)).float().cumsum(dim=1)  # [S*Hkv, nb, nmax*G, D+1]
+        # V block-major beside a column of ones, in one copy into the step's buffer
+        g.ones[..., :d].view(S, hkv, nb, BLOCK, d).copy_(vc.view(S, nb, BLOCK, hkv, d).permute(0, 3, 1, 2, 4))
+        ob = torch.matmul(pb, g.ones).float().cumsum(dim=1)  # [S*Hkv, nb, nmax*G, D+1]
         sel = ob.gather(1, g.block_of).squeeze(1)  # [S*Hkv, nmax*G, D+1]
         o = (sel[..., :d] / sel[..., d:]).to(q.dtype)
         return o.view(S, hkv, nmax, grp, d).permute(0, 2, 1, 3, 4).reshape(S, nmax, hq, d)
