@@ -8,6 +8,7 @@ import sys
 import time
 from typing import Any
 
+from strata.bench.peers import run_llama_bench, run_llama_cpp_python
 from strata.engine.config import config_from_args
 from strata.engine.types import SamplingParams
 
@@ -21,7 +22,10 @@ def add_bench_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--gen-tokens", type=int, default=128)
     g.add_argument("--lanes", default="1", help="comma-separated lane counts for decode, e.g. 1,4,16")
     g.add_argument("--llama-cpp", action="store_true",
-                   help="also run llama-cpp-python on the same GGUF (must be installed)")
+                   help="also run llama.cpp on the same GGUF: --llama-bench if given, else "
+                        "llama-cpp-python (must be installed)")
+    g.add_argument("--llama-bench", default=None, metavar="PATH",
+                   help="a llama-bench binary (built from llama.cpp's source): the fair peer")
     g.add_argument("--out", default=None, help="also write the JSON here")
 
 
@@ -62,29 +66,6 @@ def bench_engine(engine: Any, prompt_tokens: int, gen_tokens: int, lanes: list[i
     return out
 
 
-def bench_llama_cpp(path: str, prompt_tokens: int, gen_tokens: int, threads: int | None) -> dict | None:
-    try:
-        from llama_cpp import Llama
-    except ImportError:
-        return None
-    import os
-
-    llm = Llama(model_path=path, n_ctx=prompt_tokens + gen_tokens + 16, n_batch=512,
-                n_threads=threads or os.cpu_count(), verbose=False)
-    vocab = llm.n_vocab()
-    llm.eval(_prompt(vocab, 16, 999))
-    llm.reset()
-    t0 = time.perf_counter()
-    llm.eval(_prompt(vocab, prompt_tokens, 0))
-    prompt_s = time.perf_counter() - t0
-    t0 = time.perf_counter()
-    for _ in range(gen_tokens):
-        tok = llm.sample(temp=0.0)
-        llm.eval([tok])
-    decode_s = time.perf_counter() - t0
-    return {"prompt_tokens_per_s": prompt_tokens / prompt_s, "decode_tokens_per_s": gen_tokens / decode_s}
-
-
 def run_bench(args: argparse.Namespace) -> int:
     import torch
 
@@ -115,8 +96,15 @@ def run_bench(args: argparse.Namespace) -> int:
             path = str(engine.loaded.path)
         finally:
             engine.close()
-        if args.llama_cpp:
-            peer = bench_llama_cpp(path, args.prompt_tokens, args.gen_tokens, cfg.threads)
+        if args.llama_cpp or args.llama_bench:
+            vocab = engine.model_config.vocab_size
+            if args.llama_bench:
+                peer = run_llama_bench(args.llama_bench, path, args.prompt_tokens, args.gen_tokens,
+                                       cfg.threads)
+            else:
+                peer = run_llama_cpp_python(path, args.prompt_tokens, args.gen_tokens, cfg.threads,
+                                            _prompt(vocab, args.prompt_tokens, 0),
+                                            _prompt(vocab, 16, 999))
             result["llama_cpp"] = peer
             one = result["strata"]["decode"].get("1")
             if peer and one:
