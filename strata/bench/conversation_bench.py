@@ -7,11 +7,11 @@ incremental vs full re-park at a full cache.
 from __future__ import annotations
 
 import argparse
-import json
 import time
 from pathlib import Path
 from typing import Any
 
+from strata.bench.report import emit
 from strata.engine.config import EngineConfig
 from strata.engine.conversation_cache import ConversationCache
 from strata.engine.engine import Engine
@@ -116,10 +116,7 @@ def main(argv: list[str] | None = None) -> int:
     out["later_turn_ttft_warm_s"] = sum(later(out["warm"])) / len(later(out["warm"]))
     out["speedup"] = out["later_turn_ttft_cold_s"] / out["later_turn_ttft_warm_s"]
     out["bandwidth"] = bandwidth("bf16", a.long_tokens)
-    text = json.dumps(out, indent=1)
-    print(text)
-    if a.out:
-        Path(a.out).write_text(text + "\n")
+    emit(out, a.out, indent=1)
     return 0
 
 

@@ -17,7 +17,6 @@ exactly and must give identical figures: a built-in check of the harness.
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import time
 from collections.abc import Iterator
@@ -25,6 +24,7 @@ from typing import Any
 
 import torch
 
+from strata.bench.report import emit
 from strata.kv.attention import SeqSpec, TableAttention
 from strata.kv.formats import FORMAT_NAMES, K8V4Format, KvFormat, make_format
 from strata.kv.pool import KvPool
@@ -229,11 +229,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", default=None, help="also write the JSON here")
     args = ap.parse_args(argv)
     torch.set_num_threads(args.threads)
-    text = json.dumps(run(args.tokens, args.chunk, args.greedy, args.prompt), indent=2)
-    print(text)
-    if args.out:
-        with open(args.out, "w") as f:
-            f.write(text + "\n")
+    emit(run(args.tokens, args.chunk, args.greedy, args.prompt), args.out)
     return 0
 
 

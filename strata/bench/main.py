@@ -3,12 +3,11 @@
 from __future__ import annotations
 
 import argparse
-import json
-import sys
 import time
 from typing import Any
 
 from strata.bench.peers import run_llama_bench, run_llama_cpp_python
+from strata.bench.report import emit
 from strata.engine.config import config_from_args
 from strata.engine.types import SamplingParams
 
@@ -112,10 +111,5 @@ def run_bench(args: argparse.Namespace) -> int:
                 result["ratio_prompt"] = result["strata"]["prompt_tokens_per_s"] / peer["prompt_tokens_per_s"]
     if args.suite in ("pool", "all"):
         result["pool"] = bench_pool(cfg)
-    text = json.dumps(result, indent=2)
-    print(text)
-    if args.out:
-        with open(args.out, "w") as f:
-            f.write(text + "\n")
-    sys.stdout.flush()
+    emit(result, args.out)
     return 0

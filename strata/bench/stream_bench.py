@@ -20,7 +20,6 @@ host memory, so the figures show the bookkeeping and copy cost of streaming.
 from __future__ import annotations
 
 import argparse
-import json
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -28,6 +27,7 @@ from typing import Any
 
 import torch
 
+from strata.bench.report import emit
 from strata.kv.attention import SeqSpec, TableAttention
 from strata.kv.formats import make_format
 from strata.kv.pool import KvPool
@@ -195,11 +195,7 @@ def main(argv: list[str] | None = None) -> int:
     contexts = [int(x) for x in args.contexts.split(",")]
     result = run(contexts, args.resident, args.block, args.kv, args.warm, args.steps,
                  args.attention_only, device)
-    text = json.dumps(result, indent=2)
-    print(text)
-    if args.out:
-        with open(args.out, "w") as f:
-            f.write(text + "\n")
+    emit(result, args.out)
     return 0
 
 

@@ -158,7 +158,7 @@ class TableAttention:
             kc, vc = self.pool.read(layer, g.key_cells, q.dtype)  # [S*Lp, Hkv, D]
         hkv = kc.shape[1]
         grp = hq // hkv
-        lp, nb = g.lp, g.lp // BLOCK
+        nb = g.lp // BLOCK
         if g.in_order and nmax == 1:  # a decode step: the rows are already in place
             qg = q.view(S, 1, hkv, grp, d)
         else:

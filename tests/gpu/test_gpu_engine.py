@@ -88,24 +88,12 @@ def tokenizer(default_path: str) -> Tokenizer:
 
 @pytest.fixture(scope="module")
 def tiny_dir(tmp_path_factory: pytest.TempPathFactory, tokenizer: Tokenizer) -> Path:
-    """A 2-layer random llama in Hugging Face format (as tests/conftest.py makes it; head_dim 32)."""
-    from transformers import LlamaConfig, LlamaForCausalLM
+    """A 2-layer random llama in Hugging Face format (head_dim 32)."""
+    from tests.tiny_llama import write_tiny_llama
 
     out = tmp_path_factory.mktemp("tiny-llama-gpu")
-    cfg = LlamaConfig(
-        vocab_size=tokenizer.vocab_size, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=2048,
-        rope_theta=10000.0, tie_word_embeddings=True, bos_token_id=tokenizer.bos_token_id,
-        eos_token_id=tokenizer.eos_token_id,
-    )
-    torch.manual_seed(0)
-    model = LlamaForCausalLM(cfg)
-    with torch.no_grad():  # larger weights than the default init, so logits are far from ties
-        for p in model.parameters():
-            if p.dim() == 2:
-                p.normal_(0.0, 0.2)
-    model.save_pretrained(out, safe_serialization=True)
-    return out
+    return write_tiny_llama(out, tokenizer.vocab_size, tokenizer.bos_token_id, tokenizer.eos_token_id,
+                            hidden=128, intermediate=256)
 
 
 @pytest.fixture(scope="module")
