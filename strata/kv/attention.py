@@ -1,11 +1,15 @@
-"""Reference attention through the chunk tables (plain torch; the oracle for kernels).
+"""Attention through the chunk tables: the C++ kernel on the CPU, plain torch elsewhere.
 
 One engine step reads a set of sequences, each a run of new tokens at
 positions [start, start + n) of a session. `TableAttention` writes their K/V
 into the pool and computes causal grouped-query attention over each
 sequence's cells [0, start + n), gathered through its chunk table.
 
-Exactness by construction: keys are processed in blocks of `BLOCK` absolute
+On the CPU the rows go to the C++ kernel (`cpu_kernel.py`), which computes
+each query row by itself and so is exact by construction; it needs none of
+the machinery below. The torch path (the reference, the oracle for the GPU
+kernels, and the path wherever the kernel is not built) is exact this way:
+keys are processed in blocks of `BLOCK` absolute
 positions. Per block the probabilities are summed by the same bf16 matmul
 that weights V (a column of ones rides along), and blocks are combined by a
 sequential prefix sum that is read at the query's own block. Blocks past a
@@ -19,9 +23,12 @@ from dataclasses import dataclass
 
 import torch
 
+from strata.kv.cpu_kernel import cpu_kernel
+from strata.kv.formats import PlainFormat
 from strata.kv.pool import KvPool
 
 BLOCK = 128
+_KERNEL_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
 
 @dataclass(frozen=True)
@@ -55,10 +62,15 @@ class _Group:
 
 
 class TableAttention:
-    """The AttentionContext of one engine step over the shared pool."""
+    """The AttentionContext of one engine step over the shared pool.
+
+    `kernel`: None picks the C++ kernel for a CPU pool where it is built;
+    False forces the torch reference.
+    """
 
     def __init__(
-        self, pool: KvPool, seqs: list[SeqSpec], num_heads: int, scale: float, dtype: torch.dtype
+        self, pool: KvPool, seqs: list[SeqSpec], num_heads: int, scale: float, dtype: torch.dtype,
+        kernel: bool | None = None,
     ) -> None:
         self.pool = pool
         self.fmt = pool.fmt
@@ -68,6 +80,12 @@ class TableAttention:
         dev = pool.device
         write = [pool.cells_of_range(s.session, s.start, s.end) for s in seqs]
         self.write_cells = torch.cat(write).to(dev) if write else torch.empty(0, dtype=torch.int64)
+        self.kernel = None
+        if kernel is not False and dev.type == "cpu" and seqs and dtype in _KERNEL_DTYPES:
+            self.kernel = cpu_kernel()
+        if self.kernel is not None:
+            self._kernel_inputs(pool, seqs)
+            return
         offsets, t = [], 0
         for s in seqs:
             offsets.append(t)
@@ -122,8 +140,34 @@ class TableAttention:
             spans=spans,
         )
 
+    def _kernel_inputs(self, pool: KvPool, seqs: list[SeqSpec]) -> None:
+        """Every sequence's cells [S, Lmax], and each row's sequence and position."""
+        lmax = max(s.end for s in seqs)
+        pos = torch.arange(lmax)
+        chunk_of = (pos // pool.chunk_size).clamp(max=pool.max_chunks - 1)
+        sessions = torch.tensor([s.session for s in seqs])
+        self.cells = (pool.tables[sessions][:, chunk_of] * pool.chunk_size + pos % pool.chunk_size).contiguous()
+        self.row_seq = torch.cat([torch.full((s.n,), i, dtype=torch.int64) for i, s in enumerate(seqs)])
+        self.row_pos = torch.cat([torch.arange(s.start, s.end) for s in seqs])
+        # plain cells are read in place; other formats are dequantized first, one layer at a time
+        self.in_place = pool.store is None and isinstance(pool.fmt, PlainFormat)
+
+    def _attend_kernel(self, layer: int, q: torch.Tensor) -> torch.Tensor:
+        if self.in_place:
+            st = self.pool.layers[layer]
+            out = self.kernel.attend(q, st["k"], st["v"], self.cells, self.row_seq, self.row_pos,
+                                     self.scale)
+        else:
+            kc, vc = self.pool.read(layer, self.cells.reshape(-1), q.dtype)
+            local = torch.arange(self.cells.numel()).view(self.cells.shape)
+            out = self.kernel.attend(q, kc.contiguous(), vc.contiguous(), local, self.row_seq,
+                                     self.row_pos, self.scale)
+        return self.fmt.finish_output(out)
+
     def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         self.pool.write(layer, self.write_cells, k, v)
+        if self.kernel is not None:
+            return self._attend_kernel(layer, q.contiguous())
         if len(self.groups) == 1 and self.groups[0].in_order and self.groups[0].rows.shape[1] == 1:
             return self.fmt.finish_output(self._attend_group(layer, self.groups[0], q).squeeze(1))
         out = torch.empty_like(q)

@@ -1,7 +1,8 @@
-"""Reference attention through the chunk tables against plain causal SDPA."""
+"""Attention through the chunk tables against plain causal SDPA: the CPU kernel and the torch path."""
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from strata.kv.attention import SeqSpec, TableAttention
@@ -9,6 +10,13 @@ from strata.kv.formats import make_format
 from strata.kv.pool import KvPool
 
 HQ, HKV, D = 6, 2, 16
+PATH: dict[str, bool | None] = {"kernel": None}
+
+
+@pytest.fixture(autouse=True, params=[None, False], ids=["cpu-kernel", "torch"])
+def attention_path(request: pytest.FixtureRequest) -> None:
+    """Every test runs through the C++ kernel and through the torch reference."""
+    PATH["kernel"] = request.param
 
 
 def _pool(dtype_name: str, pool_tokens: int | None, sessions: int = 3, chunk: int = 8) -> KvPool:
@@ -29,7 +37,7 @@ def _sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, start: int) -> torc
 def _run(pool: KvPool, seqs: list[SeqSpec], q, k, v) -> torch.Tensor:
     for s in seqs:
         assert pool.reserve(s.session, s.end)
-    ctx = TableAttention(pool, seqs, HQ, D**-0.5, q.dtype)
+    ctx = TableAttention(pool, seqs, HQ, D**-0.5, q.dtype, kernel=PATH["kernel"])
     return ctx.attend(0, q, k, v)
 
 

@@ -1,0 +1,66 @@
+"""The C++ CPU attention kernel (`csrc/attention.cpp`): built once per machine, then loaded.
+
+torch compiles it on first use with the machine's C++ compiler (about a
+minute on 2 cores) and caches the build under torch's extensions folder;
+later processes load it in well under a second. Where no compiler is found
+the reference attention in torch is used instead, with one warning.
+`STRATA_CPU_KERNEL=0` turns the kernel off (tests compare the two).
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import logging
+import os
+import platform
+import shutil
+import sys
+from pathlib import Path
+from typing import Any
+
+import torch
+
+log = logging.getLogger(__name__)
+SOURCE = Path(__file__).parent / "csrc" / "attention.cpp"
+
+
+def _machine_tag() -> str:
+    """Builds use -march=native: one build per CPU model, torch version and source."""
+    flags = ""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith(("flags", "model name")):
+                flags += line
+                if line.startswith("flags"):
+                    break
+    except OSError:
+        flags = platform.processor()
+    h = hashlib.sha256((flags + torch.__version__ + SOURCE.read_text()).encode()).hexdigest()
+    return h[:12]
+
+
+@functools.lru_cache(maxsize=1)
+def cpu_kernel() -> Any | None:
+    """The loaded extension module, or None when it is turned off or cannot be built."""
+    if os.environ.get("STRATA_CPU_KERNEL", "1") == "0":
+        return None
+    try:
+        from torch.utils import cpp_extension
+
+        if shutil.which("ninja") is None:  # torch builds with ninja; the pip package carries one
+            import ninja
+
+            os.environ["PATH"] = ninja.BIN_DIR + os.pathsep + os.environ.get("PATH", "")
+        name = f"strata_cpu_attention_{_machine_tag()}"
+        build = Path(cpp_extension._get_build_directory(name, verbose=False))
+        if not (build / f"{name}.so").exists():
+            print("strata: compiling the CPU attention kernel (once per machine, about a minute)",
+                  file=sys.stderr, flush=True)
+        return cpp_extension.load(
+            name=name, sources=[str(SOURCE)], extra_cflags=["-O3", "-march=native", "-fopenmp"],
+            extra_ldflags=["-fopenmp"], verbose=False)
+    except Exception as e:  # noqa: BLE001 - no compiler or headers: fall back, loudly
+        log.warning("CPU attention kernel unavailable (%s); using torch reference attention",
+                    str(e).splitlines()[0] if str(e) else type(e).__name__)
+        return None

@@ -1,0 +1,306 @@
+// Causal grouped-query attention for CPU tensors, one query row at a time.
+//
+// Why a kernel: a decode step of a small model spent most of its attention
+// time dispatching twenty small torch operations per layer. Why this shape:
+// every query row is computed by the same function over exactly its own keys
+// (cells[seq, 0..pos]) in a fixed order, so its result does not depend on how
+// many rows, sequences or padding are computed beside it. A lane decodes the
+// same bits alone or in a batch, and a prompt read in chunks gives the K/V
+// that a prompt read at once gives.
+//
+// Arithmetic: float32 throughout; exact two-pass softmax (max, then exp and
+// sum). With AVX-512 the 16-wide vectors below; elsewhere the same steps in
+// scalar code (a different machine may round differently, one machine never
+// does). exp is a degree-6 polynomial after range reduction (about 1 ulp).
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+
+#include <cmath>
+#include <cstdint>
+#include <vector>
+
+#if defined(__AVX512F__)
+#include <immintrin.h>
+#endif
+
+namespace {
+
+constexpr float LOG2E = 1.44269504088896341f;
+constexpr float LN2_HI = 0.693145751953125f;
+constexpr float LN2_LO = 1.428606765330187e-06f;
+constexpr float EXP_FLOOR = -87.0f;  // exp below this is taken as 0
+
+#if defined(__AVX512F__)
+constexpr int64_t W = 16;
+
+inline __mmask16 tail(int64_t left) { return left >= W ? 0xFFFF : static_cast<__mmask16>((1u << left) - 1); }
+
+inline __m512 load(const float* p, __mmask16 m) { return _mm512_maskz_loadu_ps(m, p); }
+inline __m512 load(const c10::BFloat16* p, __mmask16 m) {
+  __m256i h = _mm256_maskz_loadu_epi16(m, p);
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+}
+inline __m512 load(const c10::Half* p, __mmask16 m) { return _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(m, p)); }
+
+// exp(x) for x <= 0, 16 at a time
+inline __m512 exp_nonpositive(__m512 x) {
+  const __mmask16 keep = _mm512_cmp_ps_mask(x, _mm512_set1_ps(EXP_FLOOR), _CMP_GE_OQ);
+  x = _mm512_max_ps(x, _mm512_set1_ps(EXP_FLOOR));
+  const __m512 k = _mm512_roundscale_ps(_mm512_fmadd_ps(x, _mm512_set1_ps(LOG2E), _mm512_set1_ps(0.5f)),
+                                        _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC);
+  __m512 r = _mm512_fnmadd_ps(k, _mm512_set1_ps(LN2_HI), x);
+  r = _mm512_fnmadd_ps(k, _mm512_set1_ps(LN2_LO), r);
+  __m512 p = _mm512_set1_ps(1.0f / 720.0f);
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 120.0f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 24.0f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 6.0f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(0.5f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
+  return _mm512_maskz_mov_ps(keep, _mm512_scalef_ps(p, k));
+}
+
+// Full vectors are loaded and stored without masks: a masked load of data a
+// masked store just wrote is not forwarded from the store buffer and stalls.
+// one row of D values as float32 into buf
+template <typename T>
+inline void widen(const T* src, float* buf, int64_t D) {
+  int64_t d = 0;
+  for (; d + W <= D; d += W) _mm512_storeu_ps(buf + d, load(src + d, 0xFFFF));
+  if (d < D) _mm512_mask_storeu_ps(buf + d, tail(D - d), load(src + d, tail(D - d)));
+}
+
+inline float dot(const float* a, const float* b, int64_t D) {
+  __m512 acc = _mm512_setzero_ps();
+  int64_t d = 0;
+  for (; d + W <= D; d += W) acc = _mm512_fmadd_ps(_mm512_loadu_ps(a + d), _mm512_loadu_ps(b + d), acc);
+  if (d < D) acc = _mm512_fmadd_ps(load(a + d, tail(D - d)), load(b + d, tail(D - d)), acc);
+  return _mm512_reduce_add_ps(acc);
+}
+
+// s[0..n) = exp(s - max(s)); returns their sum
+inline float softmax_numerators(float* s, int64_t n) {
+  __m512 mx = _mm512_set1_ps(-INFINITY);
+  int64_t j = 0;
+  for (; j + W <= n; j += W) mx = _mm512_max_ps(mx, _mm512_loadu_ps(s + j));
+  if (j < n) mx = _mm512_mask_max_ps(mx, tail(n - j), mx, load(s + j, tail(n - j)));
+  const __m512 peak = _mm512_set1_ps(_mm512_reduce_max_ps(mx));
+  __m512 total = _mm512_setzero_ps();
+  for (j = 0; j + W <= n; j += W) {
+    const __m512 e = exp_nonpositive(_mm512_sub_ps(_mm512_loadu_ps(s + j), peak));
+    _mm512_storeu_ps(s + j, e);
+    total = _mm512_add_ps(total, e);
+  }
+  if (j < n) {
+    const __mmask16 m = tail(n - j);
+    const __m512 e = _mm512_maskz_mov_ps(m, exp_nonpositive(_mm512_sub_ps(load(s + j, m), peak)));
+    _mm512_mask_storeu_ps(s + j, m, e);
+    total = _mm512_add_ps(total, e);
+  }
+  return _mm512_reduce_add_ps(total);
+}
+
+inline void axpy(float p, const float* x, float* y, int64_t D) {
+  const __m512 pv = _mm512_set1_ps(p);
+  int64_t d = 0;
+  for (; d + W <= D; d += W) _mm512_storeu_ps(y + d, _mm512_fmadd_ps(pv, _mm512_loadu_ps(x + d), _mm512_loadu_ps(y + d)));
+  if (d < D) {
+    const __mmask16 m = tail(D - d);
+    _mm512_mask_storeu_ps(y + d, m, _mm512_fmadd_ps(pv, load(x + d, m), load(y + d, m)));
+  }
+}
+
+// attend_row for D = 16 * NV: rows live in registers, and four keys are scored
+// at once so that four reductions overlap. Each key's score is the same
+// arithmetic as in the generic path (one fused multiply-add chain over D,
+// then one reduction), so the result of a row never depends on its neighbours.
+template <int NV, typename Q, typename KV>
+void attend_row_fixed(const Q* q, const KV* k, const KV* v, int64_t cell_stride, const int64_t* cells,
+                      int64_t n, int64_t G, float scale, Q* out, float* work) {
+  constexpr int64_t D = NV * W;
+  float* s = work;
+  float* acc = s + G * n;
+  __m512 qv[8][NV];
+  for (int64_t g = 0; g < G; ++g)
+    for (int c = 0; c < NV; ++c) qv[g][c] = load(q + g * D + c * W, 0xFFFF);
+  int64_t j = 0;
+  for (; j + 4 <= n; j += 4) {
+    __m512 kr[4][NV];
+    for (int u = 0; u < 4; ++u)
+      for (int c = 0; c < NV; ++c) kr[u][c] = load(k + cells[j + u] * cell_stride + c * W, 0xFFFF);
+    for (int64_t g = 0; g < G; ++g) {
+      __m512 a[4];
+      for (int u = 0; u < 4; ++u) {
+        a[u] = _mm512_setzero_ps();
+        for (int c = 0; c < NV; ++c) a[u] = _mm512_fmadd_ps(qv[g][c], kr[u][c], a[u]);
+      }
+      for (int u = 0; u < 4; ++u) s[g * n + j + u] = _mm512_reduce_add_ps(a[u]) * scale;
+    }
+  }
+  for (; j < n; ++j) {
+    __m512 kr[NV];
+    for (int c = 0; c < NV; ++c) kr[c] = load(k + cells[j] * cell_stride + c * W, 0xFFFF);
+    for (int64_t g = 0; g < G; ++g) {
+      __m512 a = _mm512_setzero_ps();
+      for (int c = 0; c < NV; ++c) a = _mm512_fmadd_ps(qv[g][c], kr[c], a);
+      s[g * n + j] = _mm512_reduce_add_ps(a) * scale;
+    }
+  }
+  for (int64_t g = 0; g < G; ++g) {
+    const float denom = softmax_numerators(s + g * n, n);
+    __m512 o[NV];
+    for (int c = 0; c < NV; ++c) o[c] = _mm512_setzero_ps();
+    const float* sg = s + g * n;
+    for (int64_t jj = 0; jj < n; ++jj) {
+      const __m512 pv = _mm512_set1_ps(sg[jj]);
+      const KV* vr = v + cells[jj] * cell_stride;
+      for (int c = 0; c < NV; ++c) o[c] = _mm512_fmadd_ps(pv, load(vr + c * W, 0xFFFF), o[c]);
+    }
+    const float inv = 1.0f / denom;
+    for (int c = 0; c < NV; ++c) _mm512_storeu_ps(acc + c * W, _mm512_mul_ps(o[c], _mm512_set1_ps(inv)));
+    for (int64_t d = 0; d < D; ++d) out[g * D + d] = static_cast<Q>(acc[d]);
+  }
+}
+#else
+template <typename T>
+inline void widen(const T* src, float* buf, int64_t D) {
+  for (int64_t d = 0; d < D; ++d) buf[d] = static_cast<float>(src[d]);
+}
+
+inline float dot(const float* a, const float* b, int64_t D) {
+  float acc = 0.f;
+  for (int64_t d = 0; d < D; ++d) acc += a[d] * b[d];
+  return acc;
+}
+
+inline float softmax_numerators(float* s, int64_t n) {
+  float peak = -INFINITY;
+  for (int64_t j = 0; j < n; ++j) peak = s[j] > peak ? s[j] : peak;
+  float total = 0.f;
+  for (int64_t j = 0; j < n; ++j) {
+    const float x = s[j] - peak;
+    s[j] = x >= EXP_FLOOR ? std::exp(x) : 0.f;
+    total += s[j];
+  }
+  return total;
+}
+
+inline void axpy(float p, const float* x, float* y, int64_t D) {
+  for (int64_t d = 0; d < D; ++d) y[d] += p * x[d];
+}
+#endif
+
+// One query row of G heads sharing one KV head, over n keys at `cells`.
+// work: G*D (q) + D (a key or value row) + G*n (scores) + G*D (weighted sums).
+template <typename Q, typename KV>
+void attend_row(const Q* q, const KV* k, const KV* v, int64_t cell_stride, const int64_t* cells, int64_t n,
+                int64_t G, int64_t D, float scale, Q* out, float* work) {
+  float* qf = work;
+  float* row = qf + G * D;
+  float* s = row + D;
+  float* acc = s + G * n;
+  for (int64_t g = 0; g < G; ++g) widen(q + g * D, qf + g * D, D);
+  for (int64_t j = 0; j < n; ++j) {
+    widen(k + cells[j] * cell_stride, row, D);
+    for (int64_t g = 0; g < G; ++g) s[g * n + j] = dot(qf + g * D, row, D) * scale;
+  }
+  float denom[64];
+  for (int64_t g = 0; g < G; ++g) denom[g] = softmax_numerators(s + g * n, n);
+  std::fill(acc, acc + G * D, 0.f);
+  for (int64_t j = 0; j < n; ++j) {
+    widen(v + cells[j] * cell_stride, row, D);
+    for (int64_t g = 0; g < G; ++g) axpy(s[g * n + j], row, acc + g * D, D);
+  }
+  for (int64_t g = 0; g < G; ++g) {
+    const float inv = 1.0f / denom[g];
+    for (int64_t d = 0; d < D; ++d) out[g * D + d] = static_cast<Q>(acc[g * D + d] * inv);
+  }
+}
+
+template <typename Q, typename KV>
+void attend_all(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& cells,
+                const at::Tensor& row_seq, const at::Tensor& row_pos, float scale, at::Tensor& out) {
+  const int64_t T = q.size(0), Hq = q.size(1), D = q.size(2), Hkv = k.size(1);
+  const int64_t G = Hq / Hkv;
+  const int64_t L = cells.size(1);
+  const Q* qp = q.data_ptr<Q>();
+  Q* op = out.data_ptr<Q>();
+  const KV* kp = k.data_ptr<KV>();
+  const KV* vp = v.data_ptr<KV>();
+  const int64_t* cp = cells.data_ptr<int64_t>();
+  const int64_t* seq = row_seq.data_ptr<int64_t>();
+  const int64_t* pos = row_pos.data_ptr<int64_t>();
+  int64_t keys = 0;
+  for (int64_t t = 0; t < T; ++t) {
+    TORCH_CHECK(pos[t] >= 0 && pos[t] < L, "row ", t, " reads ", pos[t] + 1, " keys of ", L, " cells");
+    keys += pos[t] + 1;
+  }
+  // threads pay only for large steps (prompt reading, many lanes); a decode row stays on one
+  const int64_t grain = keys * Hq * D < (1 << 18) ? T * Hkv + 1 : 1;
+  at::parallel_for(0, T * Hkv, grain, [&](int64_t begin, int64_t end) {
+    std::vector<float> work;
+    for (int64_t item = begin; item < end; ++item) {
+      const int64_t t = item / Hkv, h = item % Hkv;
+      const int64_t n = pos[t] + 1;
+      const size_t need = static_cast<size_t>(2 * G * D + D + G * n);
+      if (work.size() < need) work.resize(need);
+      const Q* qr = qp + (t * Hq + h * G) * D;
+      Q* orow = op + (t * Hq + h * G) * D;
+      const int64_t* c = cp + seq[t] * L;
+#if defined(__AVX512F__)
+      if (D == 64 && G <= 8) {
+        attend_row_fixed<4, Q, KV>(qr, kp + h * D, vp + h * D, Hkv * D, c, n, G, scale, orow, work.data());
+        continue;
+      }
+      if (D == 128 && G <= 8) {
+        attend_row_fixed<8, Q, KV>(qr, kp + h * D, vp + h * D, Hkv * D, c, n, G, scale, orow, work.data());
+        continue;
+      }
+#endif
+      attend_row<Q, KV>(qr, kp + h * D, vp + h * D, Hkv * D, c, n, G, D, scale, orow, work.data());
+    }
+  });
+}
+
+template <typename Q>
+void dispatch_kv(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& cells,
+                 const at::Tensor& row_seq, const at::Tensor& row_pos, float scale, at::Tensor& out) {
+  switch (k.scalar_type()) {
+    case at::kBFloat16: return attend_all<Q, c10::BFloat16>(q, k, v, cells, row_seq, row_pos, scale, out);
+    case at::kHalf: return attend_all<Q, c10::Half>(q, k, v, cells, row_seq, row_pos, scale, out);
+    case at::kFloat: return attend_all<Q, float>(q, k, v, cells, row_seq, row_pos, scale, out);
+    default: TORCH_CHECK(false, "K/V dtype ", k.scalar_type(), " is not bf16, fp16 or fp32");
+  }
+}
+
+}  // namespace
+
+// q [T, Hq, D]; k, v [N, Hkv, D] (the pool's cells); cells [S, L] int64: the cell of each position
+// of each sequence; row_seq, row_pos [T] int64: row t attends to cells[row_seq[t], 0..row_pos[t]].
+at::Tensor attend(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& cells,
+                  const at::Tensor& row_seq, const at::Tensor& row_pos, double scale) {
+  TORCH_CHECK(q.device().is_cpu() && k.device().is_cpu() && v.device().is_cpu(), "CPU tensors only");
+  TORCH_CHECK(q.dim() == 3 && k.dim() == 3 && v.dim() == 3, "q, k, v must be [rows, heads, dim]");
+  TORCH_CHECK(q.is_contiguous() && k.is_contiguous() && v.is_contiguous(), "q, k, v must be contiguous");
+  TORCH_CHECK(k.sizes() == v.sizes() && k.scalar_type() == v.scalar_type(), "k and v differ in shape or dtype");
+  TORCH_CHECK(q.size(2) == k.size(2) && q.size(1) % k.size(1) == 0, "q heads must be a multiple of kv heads");
+  TORCH_CHECK(q.size(1) / k.size(1) <= 64, "at most 64 query heads per kv head");
+  TORCH_CHECK(cells.scalar_type() == at::kLong && row_seq.scalar_type() == at::kLong &&
+              row_pos.scalar_type() == at::kLong, "cells, row_seq and row_pos must be int64");
+  TORCH_CHECK(cells.dim() == 2 && cells.is_contiguous(), "cells must be a contiguous [sequences, positions]");
+  TORCH_CHECK(row_seq.numel() == q.size(0) && row_pos.numel() == q.size(0), "one row_seq and row_pos per row");
+  at::Tensor out = at::empty_like(q);
+  const float s = static_cast<float>(scale);
+  auto rs = row_seq.contiguous(), rp = row_pos.contiguous();
+  switch (q.scalar_type()) {
+    case at::kBFloat16: dispatch_kv<c10::BFloat16>(q, k, v, cells, rs, rp, s, out); break;
+    case at::kHalf: dispatch_kv<c10::Half>(q, k, v, cells, rs, rp, s, out); break;
+    case at::kFloat: dispatch_kv<float>(q, k, v, cells, rs, rp, s, out); break;
+    default: TORCH_CHECK(false, "query dtype ", q.scalar_type(), " is not bf16, fp16 or fp32");
+  }
+  return out;
+}
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("attend", &attend, "causal grouped-query attention over pool cells, row by row");
+}
