@@ -16,14 +16,14 @@ import weakref
 import torch
 
 from strata.kv.attention import SeqSpec, TableAttention
-from strata.kv.formats import PlainFormat
+from strata.kv.formats import K8V4Format, PlainFormat
 from strata.kv.pool import KvPool
 
 try:  # the CPU path must not need Triton
     from strata.kv.triton.decode import DecodeBatch, decode_attention
     from strata.kv.triton.layout import Half, halves, supported
     from strata.kv.triton.prefill import PrefillBatch, prefill_attention, query_blocks
-    from strata.kv.triton.write import write_plain
+    from strata.kv.triton.write import write_plain, write_quantized
 
     HAVE_TRITON = True
 except ImportError:  # pragma: no cover - depends on the installation
@@ -33,9 +33,18 @@ except ImportError:  # pragma: no cover - depends on the installation
 _HALVES: weakref.WeakKeyDictionary[KvPool, list[tuple[Half, Half]]] = weakref.WeakKeyDictionary()
 
 
+INTERPRETED_SMS = 132  # a CPU pool runs the kernels under TRITON_INTERPRET=1 (tests): plan as on an H200
+
+
 @functools.cache
 def _sm_count(index: int) -> int:
     return torch.cuda.get_device_properties(index).multi_processor_count
+
+
+def _sms(device: torch.device) -> int:
+    if device.type != "cuda":
+        return INTERPRETED_SMS
+    return _sm_count(device.index if device.index is not None else torch.cuda.current_device())
 
 
 def _layer_halves(pool: KvPool, layer: int) -> tuple[Half, Half]:
@@ -93,8 +102,8 @@ class GpuTableAttention:
         self.dtype = dtype
         self.num_heads = num_heads
         self.plain = isinstance(pool.fmt, PlainFormat)
-        index = pool.device.index if pool.device.index is not None else torch.cuda.current_device()
-        self.sms = _sm_count(index)
+        self.rotate_v = isinstance(pool.fmt, K8V4Format) and pool.fmt.rotate
+        self.sms = _sms(pool.device)
 
     @classmethod
     def for_graph(cls, pool: KvPool, meta: torch.Tensor, num_heads: int, scale: float,
@@ -116,16 +125,16 @@ class GpuTableAttention:
 
     def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         """Store k, v [T, Hkv, D] at the step's cells; causal attention of q [T, Hq, D] -> [T, Hq, D]."""
-        storage = self.pool.layers[layer]
         kh, vh = _layer_halves(self.pool, layer)
         if self.plain:
             write_plain(kh.data, vh.data, self.write_cells, k, v)
         else:
-            self.fmt.write(storage, self.write_cells, k, v)
+            write_quantized(kh, vh, self.write_cells, k, v, self.rotate_v)
         if q.stride(-1) != 1:
             q = q.contiguous()
         out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
         tables, chunk = self.pool.tables_device, self.pool.chunk_size
-        decode_attention(q, out, self.decode, kh, vh, tables, chunk, self.scale, self.sms)
-        prefill_attention(q, out, self.prefill, kh, vh, tables, chunk, self.scale)
-        return self.fmt.finish_output(out)
+        decode_attention(q, out, self.decode, kh, vh, tables, chunk, self.scale, self.sms,
+                         self.rotate_v)
+        prefill_attention(q, out, self.prefill, kh, vh, tables, chunk, self.scale, self.rotate_v)
+        return out  # k8v4: the kernels rotate the output back (`fmt.finish_output`) themselves

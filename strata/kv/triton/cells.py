@@ -1,13 +1,19 @@
-"""Reading pool cells inside a kernel: table lookup and per-format dequantization.
+"""Reading pool cells inside a kernel: table lookup and per-format tiles.
 
 Every kernel addresses K/V the same way the pool does: position p of a
 session lives in cell `table[p // CHUNK] * CHUNK + p % CHUNK`. The table row
 is read from the pool's device copy, so a kernel (or a captured graph) sees a
 conversation move as soon as the tables are synced, without re-launch data.
 
-Dequantization mirrors `strata.kv.quant` operation for operation (float32
-products, one rounding to the compute dtype), so a kernel sees the very K/V
-values the torch reference reads.
+Quantized tiles are made for the dot products, not for their reader:
+- int8 tiles are the codes themselves (exact in bf16, fp16 and fp32) plus a
+  float32 scale per row, which the kernel applies to whole rows of scores
+  (K) or probabilities (V) instead of to every element;
+- a Q4_0 tile holds its columns in `tile_dims` order: both nibbles of a byte
+  side by side, so each byte is loaded once. Attention sums over the head
+  dimension, so the kernel only has to read q and write the output in the
+  same order. Values are `(code - 8) * d` in float32, rounded once to the
+  compute dtype, as `strata.kv.quant` does.
 """
 
 from __future__ import annotations
@@ -28,29 +34,129 @@ def cells_of(table_row, pos, mask, CHUNK: tl.constexpr):
 
 
 @triton.jit
-def load_tile(data, aux, cells, head, offs_d, mask_n, s_cell, s_head, a_cell, a_head,
-              KIND: tl.constexpr, HEAD_DIM: tl.constexpr, OUT: tl.constexpr):
-    """The [N, BLOCK_D] tile of one KV head at `cells`, dequantized to the compute dtype `OUT`.
+def tile_dims(offs_d, KIND: tl.constexpr, PAIRED: tl.constexpr):
+    """The head-dimension index held by each tile column of a format's tiles.
 
-    `data` is the run holding the values; `aux` holds int8's float32 scales
-    ([cells, Hkv]) or, for Q4_0, the same bytes viewed as float16 (so each
-    block's d is one aligned 2-byte load: blocks are 18 bytes, an even size).
-    Masked rows and columns come back as zeros.
+    Q4_0 byte j of a block holds element j (low nibble) and j + 16 (high);
+    PAIRED tiles put the two side by side: column c is element
+    32 * (c // 32) + 16 * (c % 2) + (c // 2) % 16. Unpaired tiles are in
+    natural order (each byte loaded twice): the prompt kernel's large dots
+    do not compile from paired tiles (Triton 3.6, sm_90).
     """
-    mask = mask_n[:, None] & (offs_d < HEAD_DIM)[None, :]
-    base = cells[:, None] * s_cell + head * s_head
-    if KIND == 0:
-        x = tl.load(data + base + offs_d[None, :], mask=mask, other=0.0).to(OUT)
-    elif KIND == 1:
-        codes = tl.load(data + base + offs_d[None, :], mask=mask, other=0)
-        scale = tl.load(aux + cells * a_cell + head * a_head, mask=mask_n, other=0.0)
-        x = (codes.to(tl.float32) * scale[:, None]).to(OUT)
+    if KIND == 2 and PAIRED:
+        return (offs_d // 32) * 32 + (offs_d % 2) * 16 + (offs_d // 2) % 16
     else:
+        return offs_d
+
+
+@triton.jit
+def load_tile(data, aux, cells, head, mask_n, s_cell, s_head, a_cell, a_head,
+              KIND: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
+              OUT: tl.constexpr, SCALED: tl.constexpr, PAIRED: tl.constexpr):
+    """(tile [N, BLOCK_D] in `OUT`, row scale [N] float32) of one KV head at `cells`.
+
+    The tile's value at (n, c) times the row scale of n is the cell's value at
+    head dimension `tile_dims(c)`. PLAIN and Q4_0 return scale 1; INT8
+    returns its codes and scales, or with SCALED their products rounded to
+    `OUT` (the reference's values) and scale 1. `aux` holds int8's scales or,
+    for Q4_0, the same bytes viewed as float16 (so a block's d is one aligned
+    2-byte load: blocks are 18 bytes, an even size). Masked rows and columns
+    come back as zeros.
+    """
+    offs_d = tl.arange(0, BLOCK_D)
+    if KIND == 0:
+        mask = mask_n[:, None] & (offs_d < HEAD_DIM)[None, :]
+        x = tl.load(data + cells[:, None] * s_cell + head * s_head + offs_d[None, :],
+                    mask=mask, other=0.0).to(OUT)
+        scale = tl.full(mask_n.shape, 1.0, tl.float32)
+    elif KIND == 1:
+        mask = mask_n[:, None] & (offs_d < HEAD_DIM)[None, :]
+        codes = tl.load(data + cells[:, None] * s_cell + head * s_head + offs_d[None, :],
+                        mask=mask, other=0)
+        scale = tl.load(aux + cells * a_cell + head * a_head, mask=mask_n, other=0.0)
+        if SCALED:
+            x = (codes.to(tl.float32) * scale[:, None]).to(OUT)
+            scale = tl.full(mask_n.shape, 1.0, tl.float32)
+        else:
+            x = codes.to(OUT)
+    elif not PAIRED:
+        mask = mask_n[:, None] & (offs_d < HEAD_DIM)[None, :]
         blk = offs_d // 32
         within = offs_d % 32
-        byte = tl.load(data + base + (blk * 18 + 2 + within % 16)[None, :], mask=mask, other=0)
+        row = cells[:, None] * s_cell + head * ((HEAD_DIM // 32) * 18)
+        byte = tl.load(data + row + (blk * 18 + 2 + within % 16)[None, :], mask=mask, other=0)
         code = (byte.to(tl.int32) >> ((within // 16) * 4)[None, :]) & 0xF
-        d = tl.load(aux + cells[:, None] * a_cell + head * a_head + (blk * 9)[None, :],
+        d = tl.load(aux + cells[:, None] * a_cell + head * ((HEAD_DIM // 32) * 9) + (blk * 9)[None, :],
                     mask=mask, other=0.0)
-        x = ((code.to(tl.float32) - 8.0) * d.to(tl.float32)).to(OUT)
-    return x
+        x = ((code - 8).to(tl.float32) * d.to(tl.float32)).to(OUT)
+        scale = tl.full(mask_n.shape, 1.0, tl.float32)
+    else:
+        # [N, block, j]: byte j of a block, both of its nibbles; one d per block
+        NB: tl.constexpr = BLOCK_D // 32
+        blk = tl.arange(0, NB)[None, :, None]
+        offs_j = tl.arange(0, 16)[None, None, :]
+        c3 = cells[:, None, None]
+        mask = mask_n[:, None, None] & (blk < HEAD_DIM // 32)
+        byte = tl.load(data + c3 * s_cell + head * ((HEAD_DIM // 32) * 18) + blk * 18 + 2 + offs_j,
+                       mask=mask, other=0)
+        d = tl.load(aux + c3 * a_cell + head * ((HEAD_DIM // 32) * 9) + blk * 9,
+                    mask=mask, other=0.0).to(tl.float32)
+        b = byte.to(tl.int32)
+        lo = tl.reshape((((b & 0xF) - 8).to(tl.float32) * d).to(OUT), [cells.shape[0], BLOCK_D // 2])
+        hi = tl.reshape((((b >> 4) - 8).to(tl.float32) * d).to(OUT), [cells.shape[0], BLOCK_D // 2])
+        x = tl.interleave(lo, hi)
+        scale = tl.full(mask_n.shape, 1.0, tl.float32)
+    return x, scale
+
+
+@triton.jit
+def scores(qt, k, k_scale, qk_scale, K_KIND: tl.constexpr, IEEE: tl.constexpr):
+    """Scaled scores qt @ k.T in float32 (log2 units), an int8 tile's row scales applied."""
+    if IEEE:  # float32: exact products (Triton's default for float32 is TF32)
+        s = tl.dot(qt, tl.trans(k), input_precision="ieee")
+    else:
+        s = tl.dot(qt, tl.trans(k))
+    if K_KIND == 1:  # int8 codes: their scale applies to whole score columns
+        return s * (k_scale * qk_scale)[None, :]
+    else:
+        return s * qk_scale
+
+
+@triton.jit
+def accumulate(acc, alpha, p, v, v_scale, V_KIND: tl.constexpr, FOLD_V: tl.constexpr,
+               IEEE: tl.constexpr):
+    """acc * alpha + p @ v; int8 V codes (unless dequantized) weigh p by their row scales."""
+    if V_KIND == 1 and FOLD_V:
+        p = p * v_scale[None, :]
+    if IEEE:
+        return acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision="ieee")
+    else:
+        return acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+
+
+@triton.jit
+def hadamard_columns(o, rows, BLOCK_D: tl.constexpr, SCALE: tl.constexpr, IEEE: tl.constexpr):
+    """o @ H[rows, :] * SCALE for o [M, BLOCK_D] float32: k8v4's rotation of the output back.
+
+    `rows` names the head dimension each column of `o` holds (`tile_dims`);
+    the result is in natural order; SCALE is 1 / sqrt(D). H's entries are +-1, (-1) ** popcount(i & j),
+    exact in bf16, so the product runs on the tensor cores with `o` split into
+    a bf16 head and tail (about 16 bits of mantissa, far below the bf16 or
+    fp16 output's rounding); float32 compute takes IEEE products instead.
+    """
+    cols = tl.arange(0, BLOCK_D)
+    p = rows[:, None] & cols[None, :]
+    p = p ^ (p >> 16)
+    p = p ^ (p >> 8)
+    p = p ^ (p >> 4)
+    p = p ^ (p >> 2)
+    p = p ^ (p >> 1)
+    h = tl.where((p & 1) == 1, -1.0, 1.0)
+    if IEEE:
+        r = tl.dot(o, h, input_precision="ieee")
+    else:
+        hb = h.to(tl.bfloat16)
+        head = o.to(tl.bfloat16)
+        tail = (o - head.to(tl.float32)).to(tl.bfloat16)
+        r = tl.dot(head, hb) + tl.dot(tail, hb)
+    return r * SCALE

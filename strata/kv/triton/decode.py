@@ -17,13 +17,39 @@ import torch
 import triton
 import triton.language as tl
 
-from strata.kv.triton.cells import cells_of, load_tile
+from strata.kv.triton.cells import (
+    INT8,
+    accumulate,
+    cells_of,
+    hadamard_columns,
+    load_tile,
+    scores,
+    tile_dims,
+)
 from strata.kv.triton.layout import Half
 
 LOG2E = 1.4426950408889634
 BLOCK_N = 64
 MIN_SPLIT = 128  # positions: a shorter split costs more in the second pass than it saves
 MAX_SPLITS = 64
+
+
+@dataclass(frozen=True)
+class DecodeConfig:
+    """Launch shape of the decode kernel for one pair of K/V encodings."""
+
+    block_n: int = BLOCK_N  # positions per tile
+    num_warps: int = 4
+    num_stages: int = 2
+    per_sm: int = 4  # programs per multiprocessor the context splits aim for
+
+
+# (K kind, V kind) -> config; `strata.bench.gpu_bench --sweep-decode` times alternatives.
+# int8 tiles need 168 registers a thread at these sizes (ptxas, sm_90): three programs fit
+# on a multiprocessor, so the splits aim for three and run in one wave.
+CONFIGS: dict[tuple[int, int], DecodeConfig] = {
+    (INT8, INT8): DecodeConfig(per_sm=3),
+}
 
 
 @triton.jit(do_not_specialize=["split_len", "num_splits"])  # they change as contexts grow
@@ -34,7 +60,8 @@ def _decode_kernel(
     qk_scale, sq_t, sq_h, so_t, so_h, num_heads, split_len, num_splits,
     G: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_D: tl.constexpr, CHUNK: tl.constexpr, K_KIND: tl.constexpr, V_KIND: tl.constexpr,
-    DIRECT: tl.constexpr, IEEE: tl.constexpr,
+    DIRECT: tl.constexpr, IEEE: tl.constexpr, FOLD_V: tl.constexpr, ROTATE: tl.constexpr,
+    ROT_SCALE: tl.constexpr,
 ):
     lane = tl.program_id(0)
     kvh = tl.program_id(1)
@@ -50,10 +77,12 @@ def _decode_kernel(
     offs_n = tl.arange(0, BLOCK_N)
     heads = kvh * G + offs_g
     gmask = offs_g < G
-    dmask = offs_d < HEAD_DIM
-    qt = tl.load(q + row * sq_t + heads[:, None] * sq_h + offs_d[None, :],
-                 mask=gmask[:, None] & dmask[None, :], other=0.0)
+    dims_k = tile_dims(offs_d, K_KIND, True)  # q in the order of K's tile columns
+    dims_v = tile_dims(offs_d, V_KIND, True)  # the accumulator in the order of V's
+    qt = tl.load(q + row * sq_t + heads[:, None] * sq_h + dims_k[None, :],
+                 mask=gmask[:, None] & (dims_k < HEAD_DIM)[None, :], other=0.0)
     table_row = tables + session * t_stride
+    cdt = q.dtype.element_ty
 
     m_i = tl.full([BLOCK_G], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_G], tl.float32)
@@ -62,33 +91,32 @@ def _decode_kernel(
         pos = start + offs_n
         nmask = pos < hi
         cells = cells_of(table_row, pos, nmask, CHUNK)
-        k = load_tile(k_data, k_aux, cells, kvh, offs_d, nmask, k_sc, k_sh, k_ac, k_ah,
-                      K_KIND, HEAD_DIM, q.dtype.element_ty)
-        if IEEE:  # float32: exact products (Triton's default for float32 is TF32)
-            s = tl.dot(qt, tl.trans(k), input_precision="ieee") * qk_scale
-        else:
-            s = tl.dot(qt, tl.trans(k)) * qk_scale
+        k, k_scale = load_tile(k_data, k_aux, cells, kvh, nmask, k_sc, k_sh, k_ac, k_ah,
+                               K_KIND, HEAD_DIM, BLOCK_D, cdt, False, True)
+        s = scores(qt, k, k_scale, qk_scale, K_KIND, IEEE)
         s = tl.where(nmask[None, :], s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 1))
         alpha = tl.exp2(m_i - m_new)
         p = tl.exp2(s - m_new[:, None])
         l_i = l_i * alpha + tl.sum(p, 1)
-        v = load_tile(v_data, v_aux, cells, kvh, offs_d, nmask, v_sc, v_sh, v_ac, v_ah,
-                      V_KIND, HEAD_DIM, q.dtype.element_ty)
-        if IEEE:
-            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision="ieee")
-        else:
-            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+        v, v_scale = load_tile(v_data, v_aux, cells, kvh, nmask, v_sc, v_sh, v_ac, v_ah,
+                               V_KIND, HEAD_DIM, BLOCK_D, cdt, not FOLD_V, True)
+        acc = accumulate(acc, alpha, p, v, v_scale, V_KIND, FOLD_V, IEEE)
         m_i = m_new
 
     o = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]  # an empty split gives zeros, not NaN
-    omask = gmask[:, None] & dmask[None, :]
+    if ROTATE:  # k8v4: V was stored rotated; the combine pass is linear, so rotate here
+        o = hadamard_columns(o, dims_v, BLOCK_D, ROT_SCALE, IEEE)
+        dims_o = offs_d
+    else:
+        dims_o = dims_v
+    omask = gmask[:, None] & (dims_o < HEAD_DIM)[None, :]
     if DIRECT:
-        tl.store(out + row * so_t + heads[:, None] * so_h + offs_d[None, :],
+        tl.store(out + row * so_t + heads[:, None] * so_h + dims_o[None, :],
                  o.to(out.dtype.element_ty), mask=omask)
     else:
         slot = (lane * num_heads + heads) * num_splits + split
-        tl.store(mid_o + slot[:, None] * HEAD_DIM + offs_d[None, :], o, mask=omask)
+        tl.store(mid_o + slot[:, None] * HEAD_DIM + dims_o[None, :], o, mask=omask)
         tl.store(mid_lse + slot, m_i + tl.log2(l_i), mask=gmask)
 
 
@@ -123,34 +151,39 @@ class DecodeBatch:
     max_len: int  # host copy of max(seqlens), to size the splits
 
 
-def plan_splits(lanes: int, kv_heads: int, max_len: int, sms: int) -> tuple[int, int]:
-    """(split length, number of splits): enough programs for four per multiprocessor.
+def plan_splits(lanes: int, kv_heads: int, max_len: int, sms: int, block_n: int = BLOCK_N,
+                per_sm: int = 4) -> tuple[int, int]:
+    """(split length, number of splits): enough programs for `per_sm` per multiprocessor.
 
     One program streams its split's K/V one tile at a time, so the loads in
     flight per multiprocessor, and with them the bandwidth, grow with the
     programs resident on it.
     """
     base = lanes * kv_heads
-    if base >= 4 * sms or max_len <= MIN_SPLIT:
+    if base >= per_sm * sms or max_len <= MIN_SPLIT:
         return max(max_len, 1), 1
-    want = min(MAX_SPLITS, -(-4 * sms // base))
+    want = min(MAX_SPLITS, -(-per_sm * sms // base))
     split = max(MIN_SPLIT, -(-max_len // want))
-    split = -(-split // BLOCK_N) * BLOCK_N
+    split = -(-split // block_n) * block_n
     return split, -(-max_len // split)
 
 
 def decode_attention(
     q: torch.Tensor, out: torch.Tensor, batch: DecodeBatch, k: Half, v: Half,
-    tables: torch.Tensor, chunk: int, scale: float, sms: int,
+    tables: torch.Tensor, chunk: int, scale: float, sms: int, rotate_v: bool = False,
 ) -> None:
-    """Write attention for the lanes' query rows of `q` [T, Hq, D] into the same rows of `out`."""
+    """Write attention for the lanes' query rows of `q` [T, Hq, D] into the same rows of `out`.
+
+    `rotate_v`: V is stored Hadamard-rotated (k8v4); the output is rotated back.
+    """
     lanes = batch.q_rows.shape[0]
     if lanes == 0:
         return
     hq, d = q.shape[1], q.shape[2]
     hkv = k.data.shape[1]
     g = hq // hkv
-    split_len, splits = plan_splits(lanes, hkv, batch.max_len, sms)
+    cfg = CONFIGS.get((k.kind, v.kind), DecodeConfig())
+    split_len, splits = plan_splits(lanes, hkv, batch.max_len, sms, cfg.block_n, cfg.per_sm)
     direct = splits == 1
     if direct:
         mid_o = mid_lse = out  # unused
@@ -163,10 +196,10 @@ def decode_attention(
         tables.stride(0), *k.args(), *v.args(),
         scale * LOG2E, q.stride(0), q.stride(1), out.stride(0), out.stride(1), hq,
         split_len, splits,
-        G=g, HEAD_DIM=d, BLOCK_G=max(16, triton.next_power_of_2(g)), BLOCK_N=BLOCK_N,
+        G=g, HEAD_DIM=d, BLOCK_G=max(16, triton.next_power_of_2(g)), BLOCK_N=cfg.block_n,
         BLOCK_D=block_d, CHUNK=chunk, K_KIND=k.kind, V_KIND=v.kind, DIRECT=direct,
-        IEEE=q.dtype == torch.float32,
-        num_warps=4, num_stages=2,
+        IEEE=q.dtype == torch.float32, FOLD_V=q.dtype != torch.float16, ROTATE=rotate_v,
+        ROT_SCALE=d**-0.5, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
     if not direct:
         _combine_kernel[(lanes, hq)](

@@ -14,7 +14,14 @@ import torch
 import triton
 import triton.language as tl
 
-from strata.kv.triton.cells import cells_of, load_tile
+from strata.kv.triton.cells import (
+    accumulate,
+    cells_of,
+    hadamard_columns,
+    load_tile,
+    scores,
+    tile_dims,
+)
 from strata.kv.triton.decode import LOG2E
 from strata.kv.triton.layout import Half
 
@@ -30,7 +37,7 @@ def _prefill_kernel(
     qk_scale, sq_t, sq_h, so_t, so_h,
     G: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_D: tl.constexpr, CHUNK: tl.constexpr, K_KIND: tl.constexpr, V_KIND: tl.constexpr,
-    IEEE: tl.constexpr,
+    IEEE: tl.constexpr, FOLD_V: tl.constexpr, ROTATE: tl.constexpr, ROT_SCALE: tl.constexpr,
 ):
     blk = tl.program_id(0)
     head = tl.program_id(1)
@@ -46,11 +53,13 @@ def _prefill_kernel(
     offs_d = tl.arange(0, BLOCK_D)
     offs_n = tl.arange(0, BLOCK_N)
     mmask = offs_m < n
-    dmask = offs_d < HEAD_DIM
+    dims_k = tile_dims(offs_d, K_KIND, False)  # q in the order of K's tile columns
+    dims_v = tile_dims(offs_d, V_KIND, False)  # the accumulator in the order of V's
     qpos = start + offs_m
     rows = row0 + offs_m
-    qt = tl.load(q + rows[:, None] * sq_t + head * sq_h + offs_d[None, :],
-                 mask=mmask[:, None] & dmask[None, :], other=0.0)
+    qt = tl.load(q + rows[:, None] * sq_t + head * sq_h + dims_k[None, :],
+                 mask=mmask[:, None] & (dims_k < HEAD_DIM)[None, :], other=0.0)
+    cdt = q.dtype.element_ty
     table_row = tables + session * t_stride
     hi = tl.minimum(start + m0 + BLOCK_M, start + n)  # keys past the block's last query: none
 
@@ -61,28 +70,27 @@ def _prefill_kernel(
         kpos = kstart + offs_n
         nmask = kpos < hi
         cells = cells_of(table_row, kpos, nmask, CHUNK)
-        k = load_tile(k_data, k_aux, cells, kvh, offs_d, nmask, k_sc, k_sh, k_ac, k_ah,
-                      K_KIND, HEAD_DIM, q.dtype.element_ty)
-        if IEEE:  # float32: exact products (Triton's default for float32 is TF32)
-            sc = tl.dot(qt, tl.trans(k), input_precision="ieee") * qk_scale
-        else:
-            sc = tl.dot(qt, tl.trans(k)) * qk_scale
+        k, k_scale = load_tile(k_data, k_aux, cells, kvh, nmask, k_sc, k_sh, k_ac, k_ah,
+                               K_KIND, HEAD_DIM, BLOCK_D, cdt, False, False)
+        sc = scores(qt, k, k_scale, qk_scale, K_KIND, IEEE)
         sc = tl.where(nmask[None, :] & (kpos[None, :] <= qpos[:, None]), sc, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(sc, 1))  # key 0 is in every row's first block: finite
         alpha = tl.exp2(m_i - m_new)
         p = tl.exp2(sc - m_new[:, None])
         l_i = l_i * alpha + tl.sum(p, 1)
-        v = load_tile(v_data, v_aux, cells, kvh, offs_d, nmask, v_sc, v_sh, v_ac, v_ah,
-                      V_KIND, HEAD_DIM, q.dtype.element_ty)
-        if IEEE:
-            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision="ieee")
-        else:
-            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+        v, v_scale = load_tile(v_data, v_aux, cells, kvh, nmask, v_sc, v_sh, v_ac, v_ah,
+                               V_KIND, HEAD_DIM, BLOCK_D, cdt, not FOLD_V, False)
+        acc = accumulate(acc, alpha, p, v, v_scale, V_KIND, FOLD_V, IEEE)
         m_i = m_new
 
     o = acc / l_i[:, None]
-    tl.store(out + rows[:, None] * so_t + head * so_h + offs_d[None, :],
-             o.to(out.dtype.element_ty), mask=mmask[:, None] & dmask[None, :])
+    if ROTATE:  # k8v4: V was stored rotated
+        o = hadamard_columns(o, dims_v, BLOCK_D, ROT_SCALE, IEEE)
+        dims_o = offs_d
+    else:
+        dims_o = dims_v
+    tl.store(out + rows[:, None] * so_t + head * so_h + dims_o[None, :],
+             o.to(out.dtype.element_ty), mask=mmask[:, None] & (dims_o < HEAD_DIM)[None, :])
 
 
 @dataclass(frozen=True)
@@ -109,9 +117,12 @@ def query_blocks(ns: list[int]) -> tuple[list[int], list[int]]:
 
 def prefill_attention(
     q: torch.Tensor, out: torch.Tensor, batch: PrefillBatch, k: Half, v: Half,
-    tables: torch.Tensor, chunk: int, scale: float,
+    tables: torch.Tensor, chunk: int, scale: float, rotate_v: bool = False,
 ) -> None:
-    """Write causal attention for the sequences' query rows of `q` into the same rows of `out`."""
+    """Write causal attention for the sequences' query rows of `q` into the same rows of `out`.
+
+    `rotate_v`: V is stored Hadamard-rotated (k8v4); the output is rotated back.
+    """
     blocks = batch.blk_seq.shape[0]
     if blocks == 0:
         return
@@ -123,6 +134,6 @@ def prefill_attention(
         scale * LOG2E, q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         G=hq // hkv, HEAD_DIM=d, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N,
         BLOCK_D=triton.next_power_of_2(d), CHUNK=chunk, K_KIND=k.kind, V_KIND=v.kind,
-        IEEE=q.dtype == torch.float32,
-        num_warps=4, num_stages=2,
+        IEEE=q.dtype == torch.float32, FOLD_V=q.dtype != torch.float16, ROTATE=rotate_v,
+        ROT_SCALE=d**-0.5, num_warps=4, num_stages=2,
     )
