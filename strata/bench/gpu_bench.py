@@ -5,14 +5,18 @@ pool: decode tokens/s for several lane counts (each lane reads its own
 prompt, then all decode together), prompt tokens/s for one lane, the
 bandwidth limit of one lane (weight bytes over the measured copy bandwidth),
 and a torch profiler summary of single decode steps, so a missed target
-comes with where the time goes.
+comes with where the time goes. Given llama.cpp's tools (built with CUDA,
+`strata.gpu.llama_build`), it runs them on the same file in the same run and
+reports Strata / llama.cpp for each figure.
 
-    python -m strata.bench.gpu_bench MODEL.gguf --out result.json --profile-out profile.txt
+    python -m strata.bench.gpu_bench MODEL.gguf --out result.json --profile-out profile.txt \
+        --llama-bench PATH --llama-batched-bench PATH
 """
 
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import sys
 import time
@@ -241,54 +245,90 @@ def attention_run(fmt_name: str, lanes: int, context: int, device: torch.device,
             "cell_bytes_read": read, "TBps": read / us / 1e6}
 
 
-def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description="GPU throughput of the engine on one GGUF file (JSON)")
-    p.add_argument("model")
-    p.add_argument("--device", default="cuda")
-    p.add_argument("--lanes", default="1,16,64")
-    p.add_argument("--prompt-tokens", type=int, default=512)
-    p.add_argument("--gen-tokens", type=int, default=128)
-    p.add_argument("--prompt-lengths", default="512,8192", help="one-lane prompt reads to time")
-    p.add_argument("--prefill-chunk", type=int, default=512)
-    p.add_argument("--kv", default="auto")
-    p.add_argument("--kv-chunk", type=int, default=1024)
-    p.add_argument("--profile-lanes", default="1,64")
-    p.add_argument("--attention", default="bf16,int8,q4_0,k8v4",
-                   help="KV formats to time decode attention alone in (empty: skip)")
-    p.add_argument("--out", default=None)
-    p.add_argument("--profile-out", default=None)
-    args = p.parse_args(argv)
-    lanes = [int(x) for x in args.lanes.split(",") if x]
-    lengths = [int(x) for x in args.prompt_lengths.split(",") if x]
+def sweep_decode(fmt_name: str, device: torch.device, shapes: tuple[tuple[int, int], ...] = (
+        (1, 32768), (64, 4096)), reps: int = 20) -> list[dict]:
+    """Decode attention alone under every launch config of `decode.CONFIGS`' search space."""
+    import itertools
+
+    from strata.kv.triton import decode
+    from strata.kv.triton.layout import halves
+
+    rows = []
+    fmt_halves = None
+    saved = dict(decode.CONFIGS)
+    try:
+        for block_n, warps, stages, per_sm in itertools.product((64, 128), (4, 8), (1, 2, 3), (2, 3, 4)):
+            cfg = decode.DecodeConfig(block_n, warps, stages, per_sm)
+            if fmt_halves is None:
+                from strata.kv.formats import make_format
+
+                k, v = halves(make_format(fmt_name, 1, 128), make_format(fmt_name, 1, 128).allocate(1, "cpu"))
+                fmt_halves = (k.kind, v.kind)
+            decode.CONFIGS[fmt_halves] = cfg
+            row: dict[str, Any] = {"kv": fmt_name, "block_n": block_n, "num_warps": warps,
+                                   "num_stages": stages, "per_sm": per_sm}
+            for lanes, context in shapes:
+                try:
+                    row[f"us_{lanes}x{context}"] = attention_run(fmt_name, lanes, context, device,
+                                                                 reps=reps)["us_per_layer"]
+                except Exception as e:  # noqa: BLE001 - a config that fails to compile is a result
+                    row[f"us_{lanes}x{context}"] = f"{type(e).__name__}: {str(e)[:120]}"
+            rows.append(row)
+            print(json.dumps(row), file=sys.stderr, flush=True)
+    finally:
+        decode.CONFIGS.clear()
+        decode.CONFIGS.update(saved)
+    return rows
+
+
+def llama_peer(model: str, bench: str | None, batched: str | None, lanes: list[int],
+               prompt_tokens: int, gen_tokens: int) -> dict[str, Any]:
+    """llama.cpp's llama-bench and llama-batched-bench on `model` (each when given)."""
+    from strata.bench.peers import llama_batched_bench_gpu, llama_bench_gpu
+
+    out: dict[str, Any] = {}
+    if bench:
+        out["llama_bench"] = llama_bench_gpu(bench, model, prompt_tokens, gen_tokens)
+    if batched:
+        out["llama_batched_bench"] = llama_batched_bench_gpu(batched, model, lanes, prompt_tokens,
+                                                             gen_tokens)
+    return out
+
+
+def ratios(out: dict[str, Any]) -> dict[str, float]:
+    """Strata / llama.cpp for every figure both measured (above 1: Strata is faster)."""
+    r: dict[str, float] = {}
+    peer = out.get("llama_cpp", {})
+    strata_decode = {d["lanes"]: d["decode_tokens_per_s"] for d in out.get("decode_graphs", [])
+                     if isinstance(d, dict) and "lanes" in d}
+    strata_prompt = {p["prompt_tokens"]: p["prompt_tokens_per_s"] for p in out.get("prompt", [])
+                     if isinstance(p, dict) and "prompt_tokens" in p}
+    lb = peer.get("llama_bench", {})
+    if "decode_tokens_per_s" in lb and 1 in strata_decode:
+        r["decode_1_lane_vs_llama_bench_tg"] = strata_decode[1] / lb["decode_tokens_per_s"]
+    if "prompt_tokens_per_s" in lb and lb.get("prompt_tokens") in strata_prompt:
+        r[f"prompt_{lb['prompt_tokens']}_vs_llama_bench_pp"] = (
+            strata_prompt[lb["prompt_tokens"]] / lb["prompt_tokens_per_s"])
+    for row in peer.get("llama_batched_bench", {}).get("rows", []):
+        if row["pl"] in strata_decode:
+            r[f"decode_{row['pl']}_lanes_vs_batched_bench"] = (
+                strata_decode[row["pl"]] / row["decode_tokens_per_s"])
+    return r
+
+
+def _strata_stages(args: Any, cfg: EngineConfig, lanes: list[int], lengths: list[int],
+                   out: dict[str, Any], stage: Any, tables: list[str]) -> None:
+    """Strata's own figures through the engine (the model is dropped on return)."""
     parallel = max(lanes)
-    max_context = max(lengths + [args.prompt_tokens + args.gen_tokens]) + 64
-    per_lane = args.prompt_tokens + args.gen_tokens + 1
-    chunks = parallel * -(-per_lane // args.kv_chunk) + -(-max_context // args.kv_chunk) + 1
-    cfg = EngineConfig(model=args.model, device=args.device, parallel=parallel, max_context=max_context,
-                       kv_pool_tokens=chunks * args.kv_chunk, kv_chunk=args.kv_chunk, kv=args.kv,
-                       prefill_chunk=args.prefill_chunk, max_queued=4 * parallel)
     from strata.models import load_model
 
     t0 = time.perf_counter()
     loaded = load_model(args.model, args.device, "auto", progress=False)
     attach_tokenizer(loaded)
     load_s = time.perf_counter() - t0
-    out: dict[str, Any] = {"model": args.model, "load_seconds": load_s}
+    out["load_seconds"] = load_s
     weight_bytes = sum(t.numel() * t.element_size() for t in loaded.model.parameters())
     out["weight_bytes"] = weight_bytes
-    tables: list[str] = []
-
-    def stage(name: str, fn: Any) -> None:
-        """Run one measurement; a failure is recorded and the others still run."""
-        t = time.perf_counter()
-        try:
-            out[name] = fn()
-        except Exception as e:  # noqa: BLE001 - a benchmark reports, it does not stop
-            out[name] = {"error": f"{type(e).__name__}: {e}"}
-        print(f"[{name}: {time.perf_counter() - t:.1f} s]", file=sys.stderr, flush=True)
-        if args.out:
-            with open(args.out, "w") as f:
-                f.write(json.dumps(out, indent=1) + "\n")
 
     def profiles() -> list[dict]:
         result = []
@@ -319,12 +359,15 @@ def main(argv: list[str] | None = None) -> int:
             out["one_lane_limit_tokens_per_s"] = bw / weight_bytes
             out["one_lane_limit_at_4.26TBps"] = 4.26e12 / weight_bytes
         stage("warmup_seconds", warmup)
-        stage("decode", lambda: [decode_run(engine, n, args.prompt_tokens, args.gen_tokens,
-                                            salt=1000 * n) for n in lanes])
+        if not args.skip_eager:
+            stage("decode", lambda: [decode_run(engine, n, args.prompt_tokens, args.gen_tokens,
+                                                salt=1000 * n) for n in lanes])
         stage("prompt", lambda: [prompt_run(engine, n, salt=500_000 + n) for n in lengths])
-        stage("forward_step", lambda: [step_timing(engine, n, args.prompt_tokens) for n in lanes])
+        if not args.skip_eager:
+            stage("forward_step", lambda: [step_timing(engine, n, args.prompt_tokens) for n in lanes])
         if cuda:
-            stage("profile", profiles)
+            if not args.skip_eager:
+                stage("profile", profiles)
             use_decode_graphs(engine, own_graphs)
 
             def graph_warmup() -> float:  # captures the padded sizes the runs below use
@@ -342,10 +385,74 @@ def main(argv: list[str] | None = None) -> int:
             stage("profile_graphs", profiles)
             for i in range(tables_before, len(tables)):
                 tables[i] = tables[i].replace("== decode step", "== decode step (CUDA graph)")
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description="GPU throughput of the engine on one GGUF file (JSON)")
+    p.add_argument("model")
+    p.add_argument("--device", default="cuda")
+    p.add_argument("--lanes", default="1,16,64")
+    p.add_argument("--prompt-tokens", type=int, default=512)
+    p.add_argument("--gen-tokens", type=int, default=128)
+    p.add_argument("--prompt-lengths", default="512,8192", help="one-lane prompt reads to time")
+    p.add_argument("--prefill-chunk", type=int, default=512)
+    p.add_argument("--kv", default="auto")
+    p.add_argument("--kv-chunk", type=int, default=1024)
+    p.add_argument("--profile-lanes", default="1,64")
+    p.add_argument("--attention", default="bf16,int8,q4_0,k8v4",
+                   help="KV formats to time decode attention alone in (empty: skip)")
+    p.add_argument("--llama-bench", default=None, help="llama.cpp's llama-bench (CUDA build)")
+    p.add_argument("--llama-batched-bench", default=None, help="llama.cpp's llama-batched-bench")
+    p.add_argument("--sweep-decode", default="",
+                   help="KV formats whose decode-kernel launch configs to time (empty: none)")
+    p.add_argument("--skip-strata", action="store_true", help="only the peers and sweeps")
+    p.add_argument("--skip-eager", action="store_true", help="graph decode only (saves device time)")
+    p.add_argument("--out", default=None)
+    p.add_argument("--profile-out", default=None)
+    args = p.parse_args(argv)
+    lanes = [int(x) for x in args.lanes.split(",") if x]
+    lengths = [int(x) for x in args.prompt_lengths.split(",") if x]
+    parallel = max(lanes)
+    max_context = max(lengths + [args.prompt_tokens + args.gen_tokens]) + 64
+    per_lane = args.prompt_tokens + args.gen_tokens + 1
+    chunks = parallel * -(-per_lane // args.kv_chunk) + -(-max_context // args.kv_chunk) + 1
+    cfg = EngineConfig(model=args.model, device=args.device, parallel=parallel, max_context=max_context,
+                       kv_pool_tokens=chunks * args.kv_chunk, kv_chunk=args.kv_chunk, kv=args.kv,
+                       prefill_chunk=args.prefill_chunk, max_queued=4 * parallel)
+    out: dict[str, Any] = {"model": args.model}
+    tables: list[str] = []
+
+    def stage(name: str, fn: Any) -> None:
+        """Run one measurement; a failure is recorded and the others still run."""
+        t = time.perf_counter()
+        try:
+            out[name] = fn()
+        except Exception as e:  # noqa: BLE001 - a benchmark reports, it does not stop
+            out[name] = {"error": f"{type(e).__name__}: {e}"}
+        print(f"[{name}: {time.perf_counter() - t:.1f} s]", file=sys.stderr, flush=True)
+        if args.out:
+            with open(args.out, "w") as f:
+                f.write(json.dumps(out, indent=1) + "\n")
+
+    if not args.skip_strata:
+        _strata_stages(args, cfg, lanes, lengths, out, stage, tables)
+        gc.collect()  # the model's GPU memory back before llama.cpp loads the file
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+    if args.llama_bench or args.llama_batched_bench:
+        stage("llama_cpp", lambda: llama_peer(args.model, args.llama_bench, args.llama_batched_bench,
+                                              lanes, args.prompt_tokens, args.gen_tokens))
+        out["ratios"] = ratios(out)
+        tg = out["llama_cpp"].get("llama_bench", {}).get("decode_tokens_per_s")
+        if tg and "one_lane_limit_tokens_per_s" in out:
+            out["llama_bench_tg_fraction_of_limit"] = tg / out["one_lane_limit_tokens_per_s"]
     if args.device.startswith("cuda") and args.attention:
         dev = torch.device(args.device)
         stage("attention_kernel", lambda: [attention_run(f, n, c, dev) for f in args.attention.split(",")
                                            for n, c in ((1, 32768), (16, 4096), (64, 4096), (64, 512))])
+    if args.device.startswith("cuda") and args.sweep_decode:
+        dev = torch.device(args.device)
+        stage("decode_sweep", lambda: [r for f in args.sweep_decode.split(",") for r in sweep_decode(f, dev)])
     text = json.dumps(out, indent=1)
     print(text)
     if args.out:
