@@ -17,6 +17,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from strata.kv.attention import SeqSpec
@@ -37,6 +38,7 @@ class _Entry:
     copied: torch.cuda.Event
     graph: torch.cuda.CUDAGraph | None = None
     logits: torch.Tensor | None = None  # the graph's output, [size, vocab] float32
+    filled: int = 0  # lanes the staging buffer holds: the columns past them are padding
 
 
 class DecodeGraphs:
@@ -81,27 +83,34 @@ class DecodeGraphs:
         return self.model.compute_logits(hidden)
 
     def _fill(self, e: _Entry, seqs: list[SeqSpec], tokens: list[int]) -> None:
+        """Stage the step's metadata in the pinned buffer and start its one copy to the device.
+
+        numpy on the pinned buffer's memory: a step's host work is a few
+        microseconds of array writes, where torch's small CPU ops cost
+        several each.
+        """
         e.copied.synchronize()  # the previous copy out of the staging buffer is done
-        n, pool = len(seqs), self.pool
-        chunk = pool.chunk_size
-        sess = torch.tensor([s.session for s in seqs], dtype=torch.int64)
-        pos = torch.tensor([s.start for s in seqs], dtype=torch.int64)
-        h = e.host
-        h[_IDS, :n] = torch.tensor(tokens, dtype=torch.int64)
+        n, chunk = len(seqs), self.pool.chunk_size
+        h = e.host.numpy()
+        sess = np.fromiter((s.session for s in seqs), np.int64, n)
+        pos = np.fromiter((s.start for s in seqs), np.int64, n)
+        h[_IDS, :n] = tokens
         h[_POS, :n] = pos
         h[_SESS, :n] = sess
         h[_LENS, :n] = pos + 1
-        h[_CELLS, :n] = pool.tables[sess, pos // chunk] * chunk + pos % chunk
-        self._pad(h, n)
-        e.meta.copy_(h, non_blocking=True)
+        h[_CELLS, :n] = self.pool.tables.numpy()[sess, pos // chunk] * chunk + pos % chunk
+        if e.filled > n:  # lanes of a larger step before: padding again
+            self._pad(h, n, e.filled)
+        e.filled = n
+        e.meta.copy_(e.host, non_blocking=True)
         e.copied.record()
 
-    def _pad(self, h: torch.Tensor, start: int) -> None:
-        h[_IDS, start:] = 0
-        h[_POS, start:] = 0
-        h[_SESS, start:] = 0
-        h[_LENS, start:] = 1
-        h[_CELLS, start:] = self.pool.trash * self.pool.chunk_size
+    def _pad(self, h: np.ndarray, start: int, stop: int) -> None:
+        h[_IDS, start:stop] = 0
+        h[_POS, start:stop] = 0
+        h[_SESS, start:stop] = 0
+        h[_LENS, start:stop] = 1
+        h[_CELLS, start:stop] = self.pool.trash * self.pool.chunk_size
 
     def _entry(self, size: int) -> _Entry:
         e = self._entries.get(size)
@@ -114,7 +123,7 @@ class DecodeGraphs:
         ctx = GpuTableAttention.for_graph(self.pool, meta[_ROWS:], self.num_heads, self.scale, self.dtype)
         e = _Entry(size, host, meta, ctx, torch.cuda.Event())
         e.copied.record()
-        self._pad(host, 0)
+        self._pad(host.numpy(), 0, size)
         meta.copy_(host)
         side = torch.cuda.Stream(dev)
         side.wait_stream(torch.cuda.current_stream(dev))
