@@ -1,4 +1,7 @@
-"""The C++ CPU attention kernel (`csrc/attention.cpp`): built once per machine, then loaded.
+"""Strata's C++ CPU kernels (`csrc/`): built once per machine, then loaded.
+
+`attend` (attention over the pool's cells, `attention.py`) and the row-wise
+pieces of a decoder layer (`elementwise.cpp`, used through `models/ops.py`).
 
 torch compiles it on first use with the machine's C++ compiler (about a
 minute on 2 cores) and caches the build under torch's extensions folder;
@@ -22,7 +25,9 @@ from typing import Any
 import torch
 
 log = logging.getLogger(__name__)
-SOURCE = Path(__file__).parent / "csrc" / "attention.cpp"
+SOURCES = [Path(__file__).parent / "csrc" / f for f in ("module.cpp", "attention.cpp", "elementwise.cpp")]
+# -ffp-contract=off: a*b+c rounds twice, as the torch expressions the row-wise kernels replace
+CFLAGS = ["-O3", "-march=native", "-fopenmp", "-ffp-contract=off"]
 
 
 def _machine_tag() -> str:
@@ -36,7 +41,8 @@ def _machine_tag() -> str:
                     break
     except OSError:
         flags = platform.processor()
-    h = hashlib.sha256((flags + torch.__version__ + SOURCE.read_text()).encode()).hexdigest()
+    text = flags + torch.__version__ + " ".join(CFLAGS) + "".join(p.read_text() for p in SOURCES)
+    h = hashlib.sha256(text.encode()).hexdigest()
     return h[:12]
 
 
@@ -52,15 +58,15 @@ def cpu_kernel() -> Any | None:
             import ninja
 
             os.environ["PATH"] = ninja.BIN_DIR + os.pathsep + os.environ.get("PATH", "")
-        name = f"strata_cpu_attention_{_machine_tag()}"
+        name = f"strata_cpu_kernels_{_machine_tag()}"
         build = Path(cpp_extension._get_build_directory(name, verbose=False))
         if not (build / f"{name}.so").exists():
-            print("strata: compiling the CPU attention kernel (once per machine, about a minute)",
+            print("strata: compiling the CPU kernels (once per machine, about a minute)",
                   file=sys.stderr, flush=True)
         return cpp_extension.load(
-            name=name, sources=[str(SOURCE)], extra_cflags=["-O3", "-march=native", "-fopenmp"],
+            name=name, sources=[str(p) for p in SOURCES], extra_cflags=CFLAGS,
             extra_ldflags=["-fopenmp"], verbose=False)
     except Exception as e:  # noqa: BLE001 - no compiler or headers: fall back, loudly
-        log.warning("CPU attention kernel unavailable (%s); using torch reference attention",
+        log.warning("CPU kernels unavailable (%s); using the torch reference code",
                     str(e).splitlines()[0] if str(e) else type(e).__name__)
         return None

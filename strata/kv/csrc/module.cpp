@@ -1,0 +1,21 @@
+// The Python module of Strata's CPU kernels: attention.cpp and elementwise.cpp.
+#include <torch/extension.h>
+
+#include <tuple>
+
+at::Tensor attend(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& cells,
+                  const at::Tensor& row_seq, const at::Tensor& row_pos, double scale);
+at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps);
+std::tuple<at::Tensor, at::Tensor> add_rms_norm(const at::Tensor& h, const at::Tensor& a, const at::Tensor& weight,
+                                                double eps);
+std::tuple<at::Tensor, at::Tensor, at::Tensor> rope_qkv(const at::Tensor& qkv, const at::Tensor& cos,
+                                                        const at::Tensor& sin, int64_t hq, int64_t hkv);
+at::Tensor silu_mul(const at::Tensor& gate_up);
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("attend", &attend, "causal grouped-query attention over pool cells, row by row");
+  m.def("rms_norm", &rms_norm, "weight * rms_normalise(x)");
+  m.def("add_rms_norm", &add_rms_norm, "(h + a, weight * rms_normalise(h + a))");
+  m.def("rope_qkv", &rope_qkv, "q, k rotated and v, out of the fused projection");
+  m.def("silu_mul", &silu_mul, "silu(gate) * up");
+}
