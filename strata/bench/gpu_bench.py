@@ -257,7 +257,7 @@ def sweep_decode(fmt_name: str, device: torch.device, shapes: tuple[tuple[int, i
     fmt_halves = None
     saved = dict(decode.CONFIGS)
     try:
-        for block_n, warps, stages, per_sm in itertools.product((64, 128), (4, 8), (1, 2, 3), (2, 3, 4)):
+        for block_n, warps, stages, per_sm in itertools.product((64, 128), (4, 8), (1, 2), (2, 4)):
             cfg = decode.DecodeConfig(block_n, warps, stages, per_sm)
             if fmt_halves is None:
                 from strata.kv.formats import make_format

@@ -133,6 +133,15 @@ def test_shared_pool_scattered_chunks_and_chunked_prompt(fmt: str) -> None:
         sc.check([SeqSpec(0, 34 + i, 1), SeqSpec(3, 3 + i, 1)])
 
 
+@pytest.mark.parametrize("fmt", ["int8", "k8v4"])
+def test_quantized_formats_in_fp16_compute(fmt: str) -> None:
+    """fp16 compute: int8 V is dequantized per element (its scales would push fp16 probabilities
+    into subnormals), and k8v4's rotation of the output ends in fp16."""
+    sc = Scenario(fmt, torch.float16, sessions=2, max_context=256, seed=6)
+    sc.check([SeqSpec(0, 0, 70), SeqSpec(1, 0, 3)])
+    sc.check([SeqSpec(0, 70, 1), SeqSpec(1, 3, 1)])
+
+
 @pytest.mark.parametrize("fmt", ["bf16", "int8", "k8v4"])
 def test_long_context_uses_splits(fmt: str) -> None:
     """One lane at 5,000+ positions: the context is split and the splits combined."""

@@ -37,14 +37,14 @@ def test_staging_holds_lanes_then_padding() -> None:
 
     seqs = [SeqSpec(0, 39, 1), SeqSpec(2, 17, 1), SeqSpec(3, 2, 1)]
     graphs._fill(e, seqs, [5, 6, 7])
-    ids, pos, rows, sess, lens, cells = e.meta.tolist()
+    ids, pos, _, sess, lens, cells = e.meta.tolist()
     assert ids == [5, 6, 7, 0] and pos == [39, 17, 2, 0] and sess == [0, 2, 3, 0]
     assert lens == [40, 18, 3, 1]
     want = [int(pool.tables[s.session, s.start // 16]) * 16 + s.start % 16 for s in seqs]
     assert cells == want + [trash_cell]
 
     graphs._fill(e, [SeqSpec(2, 18, 1)], [9])  # fewer lanes: the old ones become padding
-    ids, pos, rows, sess, lens, cells = e.meta.tolist()
+    ids, _, _, sess, lens, cells = e.meta.tolist()
     assert ids == [9, 0, 0, 0] and sess == [2, 0, 0, 0] and lens == [19, 1, 1, 1]
     assert cells[1:] == [trash_cell] * 3
     assert cells[0] == int(pool.tables[2, 1]) * 16 + 2
