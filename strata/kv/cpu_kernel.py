@@ -31,7 +31,7 @@ CFLAGS = ["-O3", "-march=native", "-fopenmp", "-ffp-contract=off"]
 
 
 def _machine_tag() -> str:
-    """Builds use -march=native: one build per CPU model, torch version and source."""
+    """Builds use -march=native: one build per CPU model, torch installation, flags and source."""
     flags = ""
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
@@ -41,7 +41,7 @@ def _machine_tag() -> str:
                     break
     except OSError:
         flags = platform.processor()
-    text = flags + torch.__version__ + " ".join(CFLAGS) + "".join(p.read_text() for p in SOURCES)
+    text = flags + torch.__version__ + torch.__file__ + " ".join(CFLAGS) + "".join(p.read_text() for p in SOURCES)
     h = hashlib.sha256(text.encode()).hexdigest()
     return h[:12]
 
