@@ -30,6 +30,8 @@ class EngineConfig:
     threads: int | None = None  # CPU threads for torch; None = torch's default
     seed: int = 0  # base seed for sampling without a per-request seed
     prefix_reuse: bool = True  # reuse cached conversations' K/V (off: every prompt read from 0)
+    pipeline: str = "auto"  # launch the next greedy decode step before post-processing this one:
+    # auto (with CUDA-graph decode) | on | off
 
 
 def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
@@ -67,6 +69,9 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--seed", type=int, default=d.seed, help="base seed for sampling")
     g.add_argument("--no-prefix-reuse", dest="prefix_reuse", action="store_false",
                    help="read every prompt from token 0 (no cached or parked K/V is reused)")
+    g.add_argument("--pipeline", default=d.pipeline, choices=["auto", "on", "off"],
+                   help="greedy decode: launch the next step before post-processing this one, so "
+                        "the host's work overlaps the device's (auto: with CUDA-graph decode)")
 
 
 def config_from_args(args: argparse.Namespace) -> EngineConfig:

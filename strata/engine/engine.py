@@ -11,6 +11,7 @@ import logging
 import threading
 from collections import deque
 from concurrent.futures import Future
+from dataclasses import dataclass
 from typing import Any, Callable
 
 import torch
@@ -21,11 +22,12 @@ from strata.engine.parking import Parking
 from strata.engine.request import Request, RequestHandle
 from strata.engine.runner import Runner
 from strata.engine.sampling import make_generator, sample
-from strata.engine.scheduler import Lane, Scheduler
+from strata.engine.scheduler import Lane, Scheduler, Step
 from strata.engine.sessions import SessionFiles, SessionResult
 from strata.engine.stop import StopMatcher
 from strata.engine.types import FinishReason, SamplingParams, StreamEvent
 from strata.errors import BadRequest, ContextTooLong, ModelLoadError, QueueFull, StrataError
+from strata.kv.attention import SeqSpec
 from strata.kv.formats import make_format
 from strata.kv.pool import KvPool
 from strata.kv.stream import streamed_pool
@@ -55,6 +57,7 @@ class Engine:
         self._closed = False
         self._requests = 0
         self.steps = 0
+        self.pipelined_steps = 0  # steps launched before the previous one was post-processed
         self.step_errors = 0
         ready: Future = Future()
         self._thread = threading.Thread(target=self._main, args=(loaded, ready),
@@ -106,6 +109,11 @@ class Engine:
             self.scheduler.parking = Parking(self.pool, self.conversations)
         self.runner = Runner(self.loaded.model, self.pool, mc.num_heads, mc.attn_scale,
                              self.dtype, self.device)
+        if config.pipeline not in ("auto", "on", "off"):
+            raise BadRequest(f"--pipeline must be auto, on or off, not {config.pipeline!r}")
+        # overlapping pays where the forward runs asynchronously (CUDA graphs); elsewhere it only
+        # costs a wasted step per stopped lane, so `auto` leaves it off
+        self.pipeline = config.pipeline == "on" or (config.pipeline == "auto" and self.runner.graphs is not None)
         self.stop_ids = set(self.tokenizer.stop_token_ids)
         self.sessions = SessionFiles(self.scheduler, config.session_dir, self.loaded.identity)
 
@@ -204,6 +212,7 @@ class Engine:
             "evictions": c.evictions,
             "moves": c.moves,
             "steps": self.steps,
+            "pipelined_steps": self.pipelined_steps,
             "step_errors": self.step_errors,
             "conversation_parks": c.parks,
             "conversation_restores": c.restores,
@@ -239,6 +248,7 @@ class Engine:
 
     # ---- the loop ---------------------------------------------------------------
     def _loop(self) -> None:
+        inflight: _Launched | None = None
         while True:
             with self._lock:
                 closed = self._closed
@@ -247,11 +257,20 @@ class Engine:
                 calls = list(self._calls)
                 self._calls.clear()
             if closed:
+                if inflight is not None:
+                    self._complete(inflight)
                 self._shutdown(calls)
                 return
             self._run_calls(calls)
             self._enqueue(incoming)
             self._cancel_requested()
+            if inflight is not None:
+                # the next step goes to the device before this one is post-processed
+                nxt = self._continue(inflight) if self.pipeline else None
+                self._complete(inflight)
+                inflight = nxt
+                if inflight is not None:
+                    continue
             self._admit()
             step, stuck = self.scheduler.plan()
             for lane in stuck:
@@ -260,17 +279,76 @@ class Engine:
                 self._wake.wait(timeout=0.5)
                 self._wake.clear()
                 continue
-            try:
-                logits = self.runner.forward(step.seqs, step.tokens, step.sample)
-                self._postprocess(step, logits)
-            except Exception as e:  # fail this step's requests; the engine keeps serving
-                log.exception("engine step failed")
-                self.step_errors += 1
-                for lane in step.lanes:
-                    if lane.request is not None:
-                        lane.request.handle.fail(StrataError(f"internal error in the engine step: {e}"))
-                        self.scheduler.release_lane(lane, keep_cache=False)
+            inflight = self._launch(step, lambda: self.runner.forward(step.seqs, step.tokens, step.sample))
+            if inflight is not None and (inflight.ids is None or not self.pipeline):
+                self._complete(inflight)
+                inflight = None
+
+    def _launch(self, step: Step, forward: Callable[[], torch.Tensor]) -> _Launched | None:
+        """Run a step's forward; a greedy decode step also gets its tokens, left on the device."""
+        reqs = [lane.request for lane in step.lanes]
+        try:
+            logits = forward()
+            launched = _Launched(step, reqs, logits)  # type: ignore[arg-type]
+            if all(step.sample) and all(s.n == 1 for s in step.seqs) and all(map(_plain_greedy, reqs)):
+                launched.ids = logits.argmax(dim=-1)  # what `sample` does for such rows
+                launched.host = launched.ids.to("cpu", non_blocking=True)
+                if launched.ids.is_cuda:
+                    launched.ready = torch.cuda.Event()
+                    launched.ready.record()
             self.steps += 1
+            return launched
+        except Exception as e:  # fail this step's requests; the engine keeps serving
+            self._fail_step(step, e)
+            return None
+
+    def _continue(self, prev: _Launched) -> _Launched | None:
+        """Launch the decode step after `prev` before `prev`'s tokens reach the host.
+
+        Every lane of `prev` still serving the same request goes on, fed its
+        token from the device, unless `prev` certainly ended it (its last
+        token by max_tokens or context). A lane that `prev` ends otherwise
+        (EOS, a stop string) wastes this step: its K/V lands one position past
+        what the lane keeps, and its row is skipped. Waiting requests, other
+        sampling and a pool that cannot grow take the ordinary path.
+        """
+        if prev.ids is None or self.scheduler.waiting:
+            return None
+        seqs: list[SeqSpec] = []
+        lanes: list[Lane] = []
+        rows: list[int] = []
+        for i, (lane, req) in enumerate(zip(prev.step.lanes, prev.reqs)):
+            if lane.request is not req or req is None:  # cancelled meanwhile
+                continue
+            pos = len(lane.tokens) + 1  # prev's token sits at len(lane.tokens)
+            if len(req.output) + 1 >= req.params.max_tokens or pos + 1 >= self.config.max_context:
+                continue
+            if self.pool.capacity(lane.index) <= pos and not self.scheduler.make_room(lane, pos + 1):
+                return None
+            seqs.append(SeqSpec(lane.index, pos, 1))
+            lanes.append(lane)
+            rows.append(i)
+        if not seqs:
+            return None
+        assert prev.ids is not None
+        ids = prev.ids if len(rows) == len(prev.reqs) else prev.ids[torch.tensor(rows, device=prev.ids.device)]
+        step = Step(seqs, lanes, [0] * len(seqs), [True] * len(seqs))
+        self.pipelined_steps += 1
+        return self._launch(step, lambda: self.runner.decode_from(seqs, ids))
+
+    def _complete(self, launched: _Launched) -> None:
+        try:
+            self._postprocess(launched)
+        except Exception as e:  # fail this step's requests; the engine keeps serving
+            self._fail_step(launched.step, e)
+
+    def _fail_step(self, step: Step, e: Exception) -> None:
+        log.exception("engine step failed")
+        self.step_errors += 1
+        for lane in step.lanes:
+            if lane.request is not None:
+                lane.request.handle.fail(StrataError(f"internal error in the engine step: {e}"))
+                self.scheduler.release_lane(lane, keep_cache=False)
 
     @staticmethod
     def _run_calls(calls: list[tuple[Callable[[], Any], Future]]) -> None:
@@ -311,11 +389,14 @@ class Engine:
             req.detok = IncrementalDetokenizer(self.tokenizer, req.prompt)
             req.stopper = StopMatcher(req.params.stop)
 
-    def _postprocess(self, step: Any, logits: torch.Tensor) -> None:
+    def _postprocess(self, launched: _Launched) -> None:
+        """Account the step's input tokens, then sample and accept its output tokens."""
+        step = launched.step
         lanes_sampled: list[Lane] = []
-        for seq, lane, wanted in zip(step.seqs, step.lanes, step.sample):
-            req = lane.request
-            assert req is not None
+        rows: list[int] = []
+        for i, (seq, lane, wanted, req) in enumerate(zip(step.seqs, step.lanes, step.sample, launched.reqs)):
+            if req is None or lane.request is not req:
+                continue  # the request ended (or was cancelled) after this step was launched
             if req.prefilling:
                 lane.tokens.extend(req.prompt[req.cursor : req.cursor + seq.n])
                 req.cursor += seq.n
@@ -325,18 +406,32 @@ class Engine:
                 lane.pending = None
             if wanted:
                 lanes_sampled.append(lane)
+                rows.append(i)
         if not lanes_sampled:
             return
-        reqs = [lane.request for lane in lanes_sampled]
-        result = sample(
-            logits,
-            [r.params for r in reqs],  # type: ignore[union-attr]
-            [r.prompt + r.output for r in reqs] if any(_penalised(r) for r in reqs) else [[]] * len(reqs),  # type: ignore[union-attr]
-            [r.generator for r in reqs],  # type: ignore[union-attr]
-            [len(r.prompt) for r in reqs],  # type: ignore[union-attr]
-        )
-        tokens = result.tokens.tolist()
-        for lane, tok, lp in zip(lanes_sampled, tokens, result.logprobs):
+        if launched.host is not None:  # a greedy decode step: its tokens are on their way
+            if launched.ready is not None:
+                launched.ready.synchronize()
+            all_tokens = launched.host.tolist()
+            tokens = [all_tokens[i] for i in rows]
+            logprobs: list[Any] = [None] * len(rows)
+        else:
+            reqs = [lane.request for lane in lanes_sampled]
+            sampled_rows = [i for i, w in enumerate(step.sample) if w]
+            logits = launched.logits
+            if len(rows) != len(sampled_rows):
+                keep = [sampled_rows.index(i) for i in rows]
+                logits = logits[torch.tensor(keep, device=logits.device)]
+            result = sample(
+                logits,
+                [r.params for r in reqs],  # type: ignore[union-attr]
+                [r.prompt + r.output for r in reqs] if any(_penalised(r) for r in reqs) else [[]] * len(reqs),  # type: ignore[union-attr]
+                [r.generator for r in reqs],  # type: ignore[union-attr]
+                [len(r.prompt) for r in reqs],  # type: ignore[union-attr]
+            )
+            tokens = result.tokens.tolist()
+            logprobs = result.logprobs
+        for lane, tok, lp in zip(lanes_sampled, tokens, logprobs):
             self._accept(lane, tok, lp)
 
     def _accept(self, lane: Lane, tok: int, lp: Any) -> None:
@@ -408,3 +503,20 @@ def _penalised(req: Request | None) -> bool:
     assert req is not None
     p = req.params
     return p.repetition_penalty != 1.0 or p.presence_penalty != 0.0 or p.frequency_penalty != 0.0
+
+
+def _plain_greedy(req: Request | None) -> bool:
+    """Greedy, with no penalties and no logprobs: its token is the argmax, taken on the device."""
+    return req is not None and req.params.greedy and req.params.logprobs is None and not _penalised(req)
+
+
+@dataclass
+class _Launched:
+    """A step whose forward has been issued; post-processed once its tokens are needed."""
+
+    step: Step
+    reqs: list[Request | None]  # each lane's request when the step was launched
+    logits: torch.Tensor  # sampled rows, in order
+    ids: torch.Tensor | None = None  # greedy decode steps: the sampled ids, on the device
+    host: torch.Tensor | None = None  # ... and their copy on the host
+    ready: Any = None  # CUDA event: the copy is done

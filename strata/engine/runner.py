@@ -27,6 +27,17 @@ class Runner:
             self.graphs = DecodeGraphs(model, pool, num_heads, scale, dtype)
 
     @torch.inference_mode()
+    def decode_from(self, seqs: list[SeqSpec], ids: torch.Tensor) -> torch.Tensor:
+        """Logits of a decode step whose input ids are a device tensor (the last step's samples).
+
+        With CUDA graphs the ids are copied on the device, so the step is
+        launched without waiting for the previous one to finish.
+        """
+        if self.graphs is not None and self.graphs.supports(seqs, [True] * len(seqs)):
+            return self.graphs.forward(seqs, [0] * len(seqs), device_ids=ids)
+        return self.forward(seqs, ids.tolist(), [True] * len(seqs))
+
+    @torch.inference_mode()
     def forward(self, seqs: list[SeqSpec], tokens: list[int], sample: list[bool]) -> torch.Tensor:
         """Logits (float32) of the last row of every sequence with `sample` set, in order."""
         if self.graphs is not None and self.graphs.supports(seqs, sample):

@@ -62,10 +62,17 @@ class DecodeGraphs:
         return next(s for s in self.sizes if s >= lanes)
 
     @torch.inference_mode()
-    def forward(self, seqs: list[SeqSpec], tokens: list[int]) -> torch.Tensor:
-        """Logits [len(seqs), vocab] (float32) of one decode step; valid until the next call."""
+    def forward(self, seqs: list[SeqSpec], tokens: list[int],
+                device_ids: torch.Tensor | None = None) -> torch.Tensor:
+        """Logits [len(seqs), vocab] (float32) of one decode step; valid until the next call.
+
+        `device_ids` (int64 on the device) replace `tokens`: the previous
+        step's samples, used without a round trip through the host.
+        """
         entry = self._entry(self.size_for(len(seqs)))
         self._fill(entry, seqs, tokens)
+        if device_ids is not None:
+            entry.meta[_IDS, : len(seqs)].copy_(device_ids)
         assert entry.graph is not None and entry.logits is not None
         entry.graph.replay()
         return entry.logits[: len(seqs)]
