@@ -1,14 +1,18 @@
-"""The row-wise pieces of a decoder layer: Strata's C++ kernels on the CPU, torch elsewhere.
+"""The row-wise pieces of a decoder layer: C++ kernels on the CPU, Triton on CUDA, torch elsewhere.
 
 A decode step on the CPU is dominated by dispatching small torch operations
 (RMSNorm alone is about ten); the kernels in `kv/csrc/elementwise.cpp` do
 each piece in one call. The torch versions here are the reference and the
 path on other devices (and on the CPU when the kernels are not built or
-STRATA_CPU_KERNEL=0). Both compute every row by itself.
+STRATA_CPU_KERNEL=0). CUDA tensors go to the Triton kernels of
+`strata/gpu/fused.py`, one launch each, with the same rounding (without
+Triton, or with STRATA_GPU_FUSED=0, to torch). All compute every row by itself.
 """
 
 from __future__ import annotations
 
+import functools
+import os
 from typing import Any
 
 import torch
@@ -21,11 +25,31 @@ def _kernel(x: torch.Tensor) -> Any | None:
     return cpu_kernel() if x.device.type == "cpu" else None
 
 
+@functools.lru_cache(maxsize=1)
+def _fused_kernels() -> Any | None:
+    """`strata.gpu.fused` (imports Triton), or None without Triton or with STRATA_GPU_FUSED=0."""
+    if os.environ.get("STRATA_GPU_FUSED", "1") == "0":
+        return None
+    try:
+        from strata.gpu import fused
+    except ImportError:
+        return None
+    return fused
+
+
+def _fused(x: torch.Tensor) -> Any | None:
+    """The Triton kernels for CUDA tensors (Triton is imported on the first one)."""
+    return _fused_kernels() if x.is_cuda else None
+
+
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """weight * normalise(x): normalised in float32, rounded to x's dtype, then scaled (HF's order)."""
     k = _kernel(x)
     if k is not None and x.is_contiguous():
         return k.rms_norm(x, weight, eps)
+    g = _fused(x)
+    if g is not None and g.takes(x, weight):
+        return g.rms_norm(x, weight, eps)
     return weight * F.rms_norm(x, weight.shape, eps=eps)
 
 
@@ -35,6 +59,9 @@ def add_rms_norm(h: torch.Tensor, a: torch.Tensor, weight: torch.Tensor,
     k = _kernel(h)
     if k is not None and h.is_contiguous() and a.is_contiguous():
         return k.add_rms_norm(h, a, weight, eps)
+    g = _fused(h)
+    if g is not None and g.takes(h, a, weight):
+        return g.add_rms_norm(h, a, weight, eps)
     s = h + a
     return s, rms_norm(s, weight, eps)
 
@@ -48,6 +75,9 @@ def rope_qkv(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, hq: int, h
     k = _kernel(qkv)
     if k is not None and qkv.is_contiguous():
         return k.rope_qkv(qkv, cos, sin, hq, hkv)
+    g = _fused(qkv)
+    if g is not None and g.takes(qkv, cos, sin):
+        return g.rope_qkv(qkv, cos, sin, hq, hkv, head_dim)
     x = qkv.view(qkv.shape[0], -1, head_dim)
     qk = x[:, : hq + hkv]
     qk = qk * cos + torch.roll(qk, head_dim // 2, dims=-1) * sin
@@ -59,5 +89,8 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
     k = _kernel(gate_up)
     if k is not None and gate_up.is_contiguous():
         return k.silu_mul(gate_up)
+    g = _fused(gate_up)
+    if g is not None and g.takes(gate_up):
+        return g.silu_mul(gate_up)
     gate, up = gate_up.chunk(2, dim=-1)
     return F.silu(gate) * up

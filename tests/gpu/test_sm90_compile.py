@@ -3,7 +3,8 @@
 Catches what only the device would otherwise show: a Triton pass that
 rejects a kernel, register spills in the decode and write kernels, and the
 write kernels' arithmetic (IEEE division, no fused multiply-adds, kept
-round-to-nearest-even additions) that makes them bit-identical to torch.
+round-to-nearest-even additions) that makes them bit-identical to torch;
+the same for the row-wise kernels of `strata/gpu/fused.py`.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ import re
 
 import torch
 
+from strata.gpu import fused
 from strata.kv.formats import make_format
 from strata.kv.pool import KvPool
 from strata.kv.triton.decode import DecodeBatch, decode_attention
@@ -63,3 +65,35 @@ def test_kernels_compile_for_sm90(fmt: str) -> None:
         assert not re.search(r"\bfma\.", w.ptx)
         if fmt != "q4_0":  # int8 codes: round half to even through 1.5 * 2**23
             assert "0f4B400000" in w.ptx and "0fCB400000" in w.ptx
+
+
+# (hidden, intermediate, q heads, kv heads, head_dim): the 8B shape, the default model's, and a
+# hidden size past one norm tile (the looping variant)
+FUSED_SHAPES = [(4096, 14336, 32, 8, 128), (576, 1536, 9, 3, 64),
+                (fused.NORM_BLOCK + 300, 1000, 3, 1, 80)]
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32],
+                         ids=["bf16", "fp16", "fp32"])
+def test_fused_kernels_compile_for_sm90(dtype: torch.dtype) -> None:
+    def run() -> None:
+        for n, i, hq, hkv, d in FUSED_SHAPES:
+            x = torch.zeros(2, n, dtype=dtype)
+            w = torch.zeros(n, dtype=dtype)
+            fused.rms_norm(x, w, 1e-5)
+            fused.add_rms_norm(x, x, w, 1e-5)
+            cos = torch.zeros(2, 1, d, dtype=dtype)
+            fused.rope_qkv(torch.zeros(2, (hq + 2 * hkv) * d, dtype=dtype), cos, cos, hq, hkv, d)
+            fused.silu_mul(torch.zeros(2, 2 * i, dtype=dtype))
+
+    built = [compile_sm90(r) for r in launches(run)]
+    assert len(built) == 4 * len(FUSED_SHAPES)
+    for k in built:
+        assert k.spill_bytes == 0, k
+        if k.name == "_rope_kernel":  # bit-identical to torch: every product and sum rounded
+            assert not re.search(r"\bfma\.", k.ptx)
+        if k.name == "_rms_kernel":  # IEEE mean and 1 / sqrt
+            assert "div.rn.f32" in k.ptx and "sqrt.rn.f32" in k.ptx and "div.full.f32" not in k.ptx
+        if k.name == "_silu_mul_kernel":  # IEEE division; libdevice's expf (its own fma range
+            assert "div.rn.f32" in k.ptx and "div.full.f32" not in k.ptx  # reduction before ex2)
+            assert re.search(r"\bfma\.rn", k.ptx)

@@ -1,0 +1,178 @@
+"""The Triton row-wise kernels (`strata/gpu/fused.py`) against the torch branch of `models/ops.py`.
+
+RoPE (with q, k, v split out) and the residual sum must be bit-identical to
+torch. RMSNorm and SiLU * up may differ from torch in the last float32 bits
+(statistics summed in another order, another exp), so a rounded
+intermediate (the normalised row, silu(gate)) may differ by one unit in the
+last place of the dtype, which the product with the weight or with up
+carries to at most three units of the output; and they must give torch's
+bits almost everywhere. Every row is computed alone: a row by itself and the
+same row in a batch give the same bits.
+"""
+
+from __future__ import annotations
+
+from unittest import mock
+
+import pytest
+
+from tests.gpu.kernel_device import kernel_device  # before any kernel is defined
+
+DEV = kernel_device()
+
+import torch
+
+from strata.gpu import fused
+from strata.models import ops
+from strata.models.rope import rope_tables
+
+DTYPES = [torch.bfloat16, torch.float16, torch.float32]
+BITS = {torch.bfloat16: 8, torch.float16: 11, torch.float32: 24}  # significand bits
+# (hidden size, intermediate size, q heads, kv heads, head_dim): the 8B shape, the default
+# model's, and odd sizes (masked tails; rows longer than one norm tile)
+SHAPES = {
+    "8b": (4096, 14336, 32, 8, 128),
+    "small": (576, 1536, 9, 3, 64),
+    "odd": (fused.NORM_BLOCK + 300, 1000, 3, 1, 80),
+}
+EPS = 1e-5
+
+
+def torch_branch(name: str, *args):
+    """ops.<name> through its torch expressions (no C++ kernel, no Triton) on any device."""
+    with mock.patch.object(ops, "_kernel", lambda x: None), \
+            mock.patch.object(ops, "_fused", lambda x: None):
+        return getattr(ops, name)(*args)
+
+
+def randn(*shape: int, dtype: torch.dtype, seed: int, scale: float = 1.0) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    return (torch.randn(*shape, generator=g) * scale).to(DEV, dtype)
+
+
+def assert_rounding_close(out: torch.Tensor, ref: torch.Tensor) -> None:
+    """At most 3 units in the last place of the dtype from torch (fp32: 16, about 1e-6), and
+    (bf16, fp16) at least 99% of the elements with torch's bits."""
+    assert out.dtype == ref.dtype and out.shape == ref.shape
+    exponent = torch.frexp(ref.float()).exponent
+    ulp = torch.ldexp(torch.ones_like(ref, dtype=torch.float32), exponent - BITS[ref.dtype])
+    err = (out.float() - ref.float()).abs() / ulp
+    assert err.max().item() <= (3 if out.dtype != torch.float32 else 16), err.max().item()
+    if out.dtype != torch.float32:
+        same = (out == ref).float().mean().item()
+        assert same >= 0.99, f"only {same:.4f} of the elements have torch's bits"
+
+
+def rope_inputs(shape: str, dtype: torch.dtype, rows: slice, seed: int):
+    _, _, hq, hkv, d = SHAPES[shape]
+    inv = 1.0 / (500000.0 ** (torch.arange(0, d, 2).float() / d))
+    cos_t, sin_t = rope_tables(inv, 9000, dtype, torch.device(DEV))
+    pos = torch.tensor([0, 1, 4097, 8191, 37, 512, 8999][rows], device=DEV)
+    qkv = randn(7, (hq + 2 * hkv) * d, dtype=dtype, seed=seed, scale=3.0)[rows]
+    return qkv, cos_t[pos].unsqueeze(1), sin_t[pos].unsqueeze(1), hq, hkv, d
+
+
+@pytest.mark.parametrize("shape", list(SHAPES))
+@pytest.mark.parametrize("dtype", DTYPES, ids=["bf16", "fp16", "fp32"])
+def test_rms_norm(shape: str, dtype: torch.dtype) -> None:
+    n = SHAPES[shape][0]
+    x = randn(5, n, dtype=dtype, seed=1, scale=2.0)
+    w = randn(n, dtype=dtype, seed=2) + 1.0
+    assert_rounding_close(fused.rms_norm(x, w, EPS), torch_branch("rms_norm", x, w, EPS))
+
+
+@pytest.mark.parametrize("shape", list(SHAPES))
+@pytest.mark.parametrize("dtype", DTYPES, ids=["bf16", "fp16", "fp32"])
+def test_add_rms_norm(shape: str, dtype: torch.dtype) -> None:
+    n = SHAPES[shape][0]
+    h = randn(5, n, dtype=dtype, seed=3, scale=4.0)
+    a = randn(5, n, dtype=dtype, seed=4)
+    w = randn(n, dtype=dtype, seed=5) + 1.0
+    s, x = fused.add_rms_norm(h, a, w, EPS)
+    s_ref, x_ref = torch_branch("add_rms_norm", h, a, w, EPS)
+    assert torch.equal(s, s_ref)
+    assert_rounding_close(x, x_ref)
+
+
+@pytest.mark.parametrize("shape", list(SHAPES))
+@pytest.mark.parametrize("dtype", DTYPES, ids=["bf16", "fp16", "fp32"])
+def test_rope_qkv_bit_identical(shape: str, dtype: torch.dtype) -> None:
+    args = rope_inputs(shape, dtype, slice(0, 7), seed=6)
+    out = fused.rope_qkv(*args)
+    ref = torch_branch("rope_qkv", *args)
+    for o, r in zip(out, ref):
+        assert o.is_contiguous() and o.shape == r.shape and o.dtype == r.dtype
+        assert torch.equal(o, r)
+
+
+@pytest.mark.parametrize("shape", list(SHAPES))
+@pytest.mark.parametrize("dtype", DTYPES, ids=["bf16", "fp16", "fp32"])
+def test_silu_mul(shape: str, dtype: torch.dtype) -> None:
+    i = SHAPES[shape][1]
+    gate_up = randn(3, 2 * i, dtype=dtype, seed=7, scale=3.0)
+    assert_rounding_close(fused.silu_mul(gate_up), torch_branch("silu_mul", gate_up))
+
+
+def _batch(shape: str, dtype: torch.dtype, rows: slice) -> tuple:
+    """Inputs of every kernel: `rows` of fixed tensors of 7 rows."""
+    n, i, *_ = SHAPES[shape]
+    h = randn(7, n, dtype=dtype, seed=8, scale=4.0)[rows]
+    a = randn(7, n, dtype=dtype, seed=9)[rows]
+    w = randn(n, dtype=dtype, seed=10) + 1.0
+    gate_up = randn(7, 2 * i, dtype=dtype, seed=11, scale=3.0)[rows]
+    return h, a, w, gate_up, rope_inputs(shape, dtype, rows, seed=12)
+
+
+def _each_op(h, a, w, gate_up, rope) -> list[torch.Tensor]:
+    """Every kernel's outputs."""
+    return [fused.rms_norm(h, w, EPS), *fused.add_rms_norm(h, a, w, EPS), *fused.rope_qkv(*rope),
+            fused.silu_mul(gate_up)]
+
+
+@pytest.mark.parametrize("shape", ["8b", "odd"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
+def test_rows_do_not_depend_on_the_batch(shape: str, dtype: torch.dtype) -> None:
+    batch = _each_op(*_batch(shape, dtype, slice(0, 7)))
+    h, a, w, gate_up, rope = _batch(shape, dtype, slice(3, 4))  # row 3 by itself, in new memory
+    rope = tuple(r.clone() if isinstance(r, torch.Tensor) else r for r in rope)
+    alone = _each_op(h.clone(), a.clone(), w, gate_up.clone(), rope)
+    for b, one in zip(batch, alone):
+        assert torch.equal(b[3:4], one)
+
+
+def test_ops_route_cuda_tensors_to_the_kernels() -> None:
+    if DEV != "cuda":
+        pytest.skip("the interpreter runs the kernels on CPU tensors, which ops gives to C++")
+    assert ops._fused(torch.zeros(1, device="cuda")) is fused
+    assert ops._fused(torch.zeros(1)) is None
+    n, i, *_ = SHAPES["8b"]
+    x = randn(2, n, dtype=torch.bfloat16, seed=13)
+    w = randn(n, dtype=torch.bfloat16, seed=14)
+    gate_up = randn(2, 2 * i, dtype=torch.bfloat16, seed=15)
+    rope = rope_inputs("8b", torch.bfloat16, slice(0, 2), seed=16)
+    pairs = [(ops.rms_norm(x, w, EPS), fused.rms_norm(x, w, EPS)),
+             (ops.silu_mul(gate_up), fused.silu_mul(gate_up)),
+             (ops.add_rms_norm(x, x, w, EPS)[1], fused.add_rms_norm(x, x, w, EPS)[1]),
+             (ops.rope_qkv(*rope)[0], fused.rope_qkv(*rope)[0])]
+    for got, want in pairs:
+        assert torch.equal(got, want)
+    # what the kernels do not take (mixed dtypes, strided rows) goes to torch
+    assert ops.rms_norm(x, w.float(), EPS).dtype == torch.float32
+    strided = gate_up[:, ::2]
+    assert torch.equal(ops.silu_mul(strided), torch_branch("silu_mul", strided))
+
+
+def test_kernels_replay_in_a_cuda_graph() -> None:
+    if DEV != "cuda":
+        pytest.skip("CUDA graphs need the device")
+    inputs = _batch("8b", torch.bfloat16, slice(0, 4))
+    eager = _each_op(*inputs)  # compiles every kernel before the capture
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        captured = _each_op(*inputs)
+    for c in captured:
+        c.zero_()
+    graph.replay()
+    torch.cuda.synchronize()
+    for e, c in zip(eager, captured):
+        assert torch.equal(e, c)
