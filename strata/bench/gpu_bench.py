@@ -407,6 +407,8 @@ def main(argv: list[str] | None = None) -> int:
                    help="KV formats whose decode-kernel launch configs to time (empty: none)")
     p.add_argument("--skip-strata", action="store_true", help="only the peers and sweeps")
     p.add_argument("--skip-eager", action="store_true", help="graph decode only (saves device time)")
+    p.add_argument("--pipeline", default="auto", choices=["auto", "on", "off"],
+                   help="the engine's --pipeline (auto: on with CUDA-graph decode)")
     p.add_argument("--out", default=None)
     p.add_argument("--profile-out", default=None)
     args = p.parse_args(argv)
@@ -418,8 +420,9 @@ def main(argv: list[str] | None = None) -> int:
     chunks = parallel * -(-per_lane // args.kv_chunk) + -(-max_context // args.kv_chunk) + 1
     cfg = EngineConfig(model=args.model, device=args.device, parallel=parallel, max_context=max_context,
                        kv_pool_tokens=chunks * args.kv_chunk, kv_chunk=args.kv_chunk, kv=args.kv,
-                       prefill_chunk=args.prefill_chunk, max_queued=4 * parallel)
-    out: dict[str, Any] = {"model": args.model}
+                       prefill_chunk=args.prefill_chunk, max_queued=4 * parallel,
+                       pipeline=args.pipeline)
+    out: dict[str, Any] = {"model": args.model, "pipeline": args.pipeline}
     tables: list[str] = []
 
     def stage(name: str, fn: Any) -> None:
