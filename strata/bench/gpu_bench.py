@@ -118,15 +118,29 @@ def _sync(engine: Engine) -> None:
 
 
 def decode_run(engine: Engine, lanes: int, prompt_tokens: int, gen_tokens: int, salt: int) -> dict:
-    """All lanes read their prompts, then decode `gen_tokens` together; decode time only."""
+    """All lanes read their prompts in one step, then decode `gen_tokens` together; decode time only.
+
+    As llama-batched-bench measures: every lane starts decoding in the same step, so the timed
+    window holds `lanes` lanes throughout (with prompts read `--prefill-chunk` tokens a step,
+    early lanes would decode alone while later ones still read, and finish early).
+    """
     vocab = engine.model_config.vocab_size
     params = SamplingParams(max_tokens=gen_tokens, ignore_eos=True)
-    handles = [engine.generate(_prompt(vocab, prompt_tokens, salt + i), params) for i in range(lanes)]
+    prompts = [_prompt(vocab, prompt_tokens, salt + i) for i in range(lanes)]
+    sched = engine.scheduler
+    budget = sched.prefill_chunk
+
+    def submit() -> list[Any]:  # on the engine thread: admitted together, read in one step
+        sched.prefill_chunk = max(budget, lanes * prompt_tokens)
+        return [engine.generate(p, params) for p in prompts]
+
+    handles = engine.call(submit).result()
     iters = [iter(h) for h in handles]
     t0 = time.perf_counter()
     for it in iters:  # first token of every lane: its prompt has been read
         next(it)
     t1 = time.perf_counter()
+    engine.call(lambda: setattr(sched, "prefill_chunk", budget)).result()
     done = [sum(len(ev.token_ids) for ev in it) for it in iters]
     dt = time.perf_counter() - t1
     return {"lanes": lanes, "prompt_tokens": prompt_tokens, "gen_tokens": gen_tokens,
