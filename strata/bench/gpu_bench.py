@@ -157,6 +157,30 @@ def prompt_run(engine: Engine, prompt_tokens: int, salt: int) -> dict:
     return {"prompt_tokens": prompt_tokens, "prompt_tokens_per_s": prompt_tokens / dt, "seconds": dt}
 
 
+def batch_company(engine: Engine, sizes: list[int], prompt_tokens: int, gen_tokens: int) -> dict:
+    """Greedy tokens of each request alone, then among `sizes` lanes admitted together.
+
+    How a lane's output depends on its company: counts of identical outputs and, for the others,
+    the first generated position that differs.
+    """
+    vocab = engine.model_config.vocab_size
+    params = SamplingParams(max_tokens=gen_tokens, ignore_eos=True)
+    prompts = [_prompt(vocab, prompt_tokens, 700_000 + i) for i in range(max(sizes))]
+
+    def together(batch: list[list[int]]) -> list[list[int]]:
+        handles = engine.call(lambda: [engine.generate(p, params) for p in batch]).result()
+        return [h.result().token_ids for h in handles]
+
+    alone = [together([p])[0] for p in prompts]
+    out: dict[str, Any] = {"prompt_tokens": prompt_tokens, "gen_tokens": gen_tokens}
+    for n in sizes:
+        among = together(prompts[:n])
+        differ = [next(i for i, (x, y) in enumerate(zip(a, b)) if x != y)
+                  for a, b in zip(alone, among) if a != b]
+        out[f"among_{n}"] = {"identical": n - len(differ), "of": n, "first_difference": sorted(differ)}
+    return out
+
+
 def _decode_step(engine: Engine, lanes: int, position: int) -> tuple[list[SeqSpec], list[int], list[bool]]:
     """One decode step of `lanes` lanes at `position` (reserving their chunks; the engine is idle)."""
     for i in range(lanes):
@@ -397,6 +421,9 @@ def _strata_stages(args: Any, cfg: EngineConfig, lanes: list[int], lengths: list
                   lambda: [step_timing(engine, n, args.prompt_tokens) for n in lanes])
             tables_before = len(tables)
             stage("profile_graphs", profiles)
+            sizes = [int(x) for x in args.company.split(",") if x]
+            if sizes:
+                stage("batch_company", lambda: batch_company(engine, sizes, args.prompt_tokens, 32))
             for i in range(tables_before, len(tables)):
                 tables[i] = tables[i].replace("== decode step", "== decode step (CUDA graph)")
 
@@ -421,6 +448,8 @@ def main(argv: list[str] | None = None) -> int:
                    help="KV formats whose decode-kernel launch configs to time (empty: none)")
     p.add_argument("--skip-strata", action="store_true", help="only the peers and sweeps")
     p.add_argument("--skip-eager", action="store_true", help="graph decode only (saves device time)")
+    p.add_argument("--company", default="",
+                   help="lane counts, e.g. 16,64: each request's greedy tokens alone vs among that many")
     p.add_argument("--pipeline", default="auto", choices=["auto", "on", "off"],
                    help="the engine's --pipeline (auto: on with CUDA-graph decode)")
     p.add_argument("--out", default=None)
