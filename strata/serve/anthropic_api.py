@@ -8,9 +8,8 @@ then message_delta with the stop reason and usage, and message_stop.
 from __future__ import annotations
 
 import json
-import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Iterator
 from typing import Any
 
 from fastapi import APIRouter, Request
@@ -18,7 +17,7 @@ from starlette.responses import JSONResponse, Response
 
 from strata.engine.types import FinishReason, StreamEvent
 from strata.serve import generation as g
-from strata.serve.errors import ApiError, parse_json_object, refuse_unsupported, sse_error_payload, validate_body
+from strata.serve.errors import read_body
 from strata.serve.reasoning import ThinkSplitter, prompt_opens_thinking
 from strata.serve.schemas_anthropic import (
     UNSUPPORTED_MESSAGES,
@@ -78,9 +77,7 @@ def _usage(gen: g.Generation) -> dict[str, Any]:
 @router.post("/v1/messages/count_tokens")
 async def count_tokens(request: Request) -> JSONResponse:
     state = serve_state(request)
-    data = parse_json_object(await request.body())
-    refuse_unsupported(data, UNSUPPORTED_MESSAGES)
-    req = validate_body(CountTokensRequest, data)
+    req = await read_body(request, CountTokensRequest, UNSUPPORTED_MESSAGES)
     _, ids = await _render(state, req)
     return JSONResponse({"input_tokens": len(ids)})
 
@@ -88,11 +85,8 @@ async def count_tokens(request: Request) -> JSONResponse:
 @router.post("/v1/messages")
 async def messages(request: Request) -> Response:
     state = serve_state(request)
-    data = parse_json_object(await request.body())
-    refuse_unsupported(data, UNSUPPORTED_MESSAGES)
-    req = validate_body(MessagesRequest, data)
-    info = request_info(request)
-    info["user"] = req.metadata.user_id if req.metadata else None
+    req = await read_body(request, MessagesRequest, UNSUPPORTED_MESSAGES)
+    request_info(request)["user"] = req.metadata.user_id if req.metadata else None
     prompt_text, prompt_ids = await _render(state, req)
     max_tokens = g.fit_max_tokens(len(prompt_ids), req.max_tokens, state.max_context(), "max_tokens")
     params = g.sampling_params(
@@ -104,10 +98,8 @@ async def messages(request: Request) -> Response:
     )
     opens = prompt_opens_thinking(prompt_text)
     budget = req.thinking.budget_tokens if isinstance(req.thinking, ThinkingEnabled) else None
-    gen = g.Generation(
-        state.ready_engine(), prompt_ids, params, metrics=state.metrics, info=info,
-        started=info.get("t0", time.monotonic()), starts_in_thinking=opens, thinking_budget=budget,
-    )
+    gen = g.Generation.for_request(request, state, prompt_ids, params, starts_in_thinking=opens,
+                                   thinking_budget=budget)
     await g.start(request, gen)
     mid = f"msg_{uuid.uuid4().hex[:24]}"
     splitter = ThinkSplitter(opens)
@@ -178,33 +170,29 @@ class _Blocks:
         return out + self.close()
 
 
-async def _stream(
+def _stream(
     request: Request, gen: g.Generation, splitter: ThinkSplitter, mid: str, model: str, omit: bool
 ) -> AsyncIterator[str]:
     usage = _usage(gen)
     usage["output_tokens"] = 0
-    yield _event("message_start", {"type": "message_start", "message": {
+    head = [_event("message_start", {"type": "message_start", "message": {
         "id": mid, "type": "message", "role": "assistant", "model": model, "content": [],
         "stop_reason": None, "stop_sequence": None, "usage": usage,
-    }})
+    }})]
     blocks = _Blocks(omit)
-    try:
-        async for event in gen.events():
-            pieces = splitter.feed(event.text)
-            if event.finish_reason is not None:
-                pieces += splitter.flush()
-            for kind, text in pieces:
-                for line in blocks.piece(kind, text):
-                    yield line
-    except ApiError as err:
-        yield sse_error_payload(request.url.path, err)
-        return
-    for line in blocks.finish():
-        yield line
-    assert gen.final is not None
-    reason, sequence = _stop_reason(gen.final)
-    delta: dict[str, Any] = {"stop_reason": reason, "stop_sequence": sequence}
-    if gen.final.truncated:
-        delta["truncated"] = True
-    yield _event("message_delta", {"type": "message_delta", "delta": delta, "usage": _usage(gen)})
-    yield _event("message_stop", {"type": "message_stop"})
+
+    def each(event: StreamEvent) -> Iterator[str]:
+        for kind, text in g.split_event(splitter, event):
+            yield from blocks.piece(kind, text)
+
+    def tail() -> list[str]:
+        assert gen.final is not None
+        reason, sequence = _stop_reason(gen.final)
+        delta: dict[str, Any] = {"stop_reason": reason, "stop_sequence": sequence}
+        if gen.final.truncated:
+            delta["truncated"] = True
+        end = {"type": "message_delta", "delta": delta, "usage": _usage(gen)}
+        stop = _event("message_stop", {"type": "message_stop"})
+        return blocks.finish() + [_event("message_delta", end), stop]
+
+    return g.event_stream(request, gen, head, each, tail)

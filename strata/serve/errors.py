@@ -12,6 +12,7 @@ import math
 from typing import Any, TypeVar
 
 from pydantic import BaseModel, ValidationError
+from starlette.requests import Request
 from starlette.responses import JSONResponse
 
 from strata.errors import BadRequest, ContextTooLong, Overloaded
@@ -200,3 +201,10 @@ def validate_body(model: type[M], data: dict[str, Any]) -> M:
         return model.model_validate(data)
     except ValidationError as exc:
         raise from_validation_error(exc) from None
+
+
+async def read_body(request: Request, model: type[M], unsupported: dict[str, list[Any]]) -> M:
+    """A POST body as `model`: JSON parsed, known but unbuilt fields refused, then validated."""
+    data = parse_json_object(await request.body())
+    refuse_unsupported(data, unsupported)
+    return validate_body(model, data)

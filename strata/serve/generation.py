@@ -3,8 +3,9 @@
 The dialect modules (openai_api, anthropic_api) only shape JSON; everything
 about talking to the engine lives here once: rendering and tokenizing off the
 event loop, the max_context check that names both numbers, turning the first
-event's refusal into a 503 before any byte is sent, counting tokens, feeding
-the latency histograms, and always releasing the engine's handle.
+event's refusal into a 503 before any byte is sent, ending a started stream
+with an error event, counting tokens, feeding the latency histograms, and
+always releasing the engine's handle.
 """
 
 from __future__ import annotations
@@ -13,16 +14,18 @@ import asyncio
 import dataclasses
 import logging
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable, Iterable
 from typing import Any
 
 from starlette.concurrency import run_in_threadpool
+from starlette.requests import Request
 
 from strata.errors import StrataError
 from strata.engine.types import FinishReason, SamplingParams, StreamEvent, TokenLogprob
-from strata.serve.errors import ApiError, from_strata_error
+from strata.serve.errors import ApiError, from_strata_error, sse_error_payload
 from strata.serve.metrics import ServeMetrics
 from strata.serve.reasoning import CLOSE_TAG, ThinkSplitter
+from strata.serve.state import ServeState, request_info
 from strata.serve.streaming import SSEResponse, race_disconnect
 
 log = logging.getLogger("strata.serve")
@@ -160,6 +163,18 @@ class Generation:
         self._last_token_time: float | None = None
         self._closed = False
 
+    @classmethod
+    def for_request(
+        cls, request: Request, state: ServeState, prompt_ids: list[int], params: SamplingParams,
+        **kw: Any,
+    ) -> Generation:
+        """A generation timed from the request's arrival and logged in its access-log record."""
+        info = request_info(request)
+        return cls(
+            state.ready_engine(), prompt_ids, params, metrics=state.metrics, info=info,
+            started=info.get("t0", time.monotonic()), **kw,
+        )
+
     async def start(self) -> None:
         """Submit and read the first event: the engine refuses here, before any text is sent."""
         self._pending = await self._submit(self.prompt_ids, self.params)
@@ -171,13 +186,9 @@ class Generation:
         try:
             self._handle = self.engine.generate(prompt_ids, params)
             self._iter = self._handle.__aiter__()
-            return await self._iter.__anext__()
-        except StopAsyncIteration:
-            return None
-        except asyncio.CancelledError:
-            raise
-        except Exception as exc:
+        except Exception as exc:  # a refusal at submission (overloaded, ...) is the client's answer
             raise as_api_error(exc) from None
+        return await self._next()
 
     async def events(self) -> AsyncIterator[StreamEvent]:
         """Every event to the last; raises ApiError for a failure mid-way."""
@@ -205,6 +216,7 @@ class Generation:
             event = None
 
     async def _next(self) -> StreamEvent | None:
+        """The handle's next event, None at its end; an engine failure as an ApiError."""
         assert self._iter is not None
         try:
             return await self._iter.__anext__()
@@ -293,15 +305,21 @@ class Outcome:
     final: StreamEvent
 
 
+def split_event(splitter: ThinkSplitter, event: StreamEvent) -> list[tuple[str, str]]:
+    """An event's text as (kind, text) pieces; the last event also releases any held-back text."""
+    pieces = splitter.feed(event.text)
+    if event.finish_reason is not None:
+        pieces += splitter.flush()
+    return pieces
+
+
 async def collect(gen: Generation, splitter: ThinkSplitter | None) -> Outcome:
     content: list[str] = []
     reasoning: list[str] = []
     logprobs: list[TokenLogprob] = []
     async for event in gen.events():
         logprobs.extend(event.logprobs)
-        pieces = splitter.feed(event.text) if splitter else [("content", event.text)]
-        if event.finish_reason is not None and splitter:
-            pieces += splitter.flush()
+        pieces = split_event(splitter, event) if splitter else [("content", event.text)]
         for kind, text in pieces:
             (reasoning if kind == "reasoning" else content).append(text)
     assert gen.final is not None
@@ -327,3 +345,28 @@ async def collect_all(request: Any, gen: Generation, splitter: ThinkSplitter | N
 
 def sse(gen: Generation, events: AsyncIterator[str]) -> SSEResponse:
     return SSEResponse(events, on_close=gen.close, on_disconnect=gen.disconnected)
+
+
+async def event_stream(
+    request: Any,
+    gen: Generation,
+    head: Iterable[str],
+    each: Callable[[StreamEvent], Iterable[str]],
+    tail: Callable[[], Iterable[str]],
+) -> AsyncIterator[str]:
+    """A streaming answer's SSE lines: head, each event's lines, then tail.
+
+    A failure mid-way ends the stream with an error event in the path's dialect
+    instead of the tail: the 200 status has already been sent.
+    """
+    for line in head:
+        yield line
+    try:
+        async for event in gen.events():
+            for line in each(event):
+                yield line
+    except ApiError as err:
+        yield sse_error_payload(request.url.path, err)
+        return
+    for line in tail():
+        yield line

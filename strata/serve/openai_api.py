@@ -2,18 +2,20 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Iterator
 from typing import Any
 
 from fastapi import APIRouter, Request
 from starlette.responses import JSONResponse, Response
 
+from strata.engine.types import StreamEvent
 from strata.serve import generation as g
 from strata.serve import openai_format as fmt
-from strata.serve.errors import ApiError, parse_json_object, refuse_unsupported, sse_error_payload, validate_body
+from strata.serve.errors import ApiError, read_body
 from strata.serve.reasoning import ThinkSplitter, prompt_opens_thinking
 from strata.serve.schemas_openai import (
     COMPLETIONS_DEFAULT_MAX_TOKENS,
@@ -59,20 +61,53 @@ def _params(req: SamplingFields, max_tokens: int, logprobs: int | None) -> Any:
     )
 
 
-def _generation(request: Request, state: ServeState, prompt_ids: list[int], params: Any, **kw: Any) -> g.Generation:
-    info = request_info(request)
-    return g.Generation(
-        state.ready_engine(), prompt_ids, params, metrics=state.metrics, info=info,
-        started=info.get("t0", time.monotonic()), **kw,
-    )
+@dataclasses.dataclass(frozen=True)
+class _Reply:
+    """What every body and chunk of one answer repeats: id, object type, creation time, model."""
+
+    id: str
+    object: str
+    created: int
+    model: str
+    include_usage: bool = False  # streams: every chunk has "usage", null until the last one
+
+    def _head(self) -> dict[str, Any]:
+        return {"id": self.id, "object": self.object, "created": self.created, "model": self.model}
+
+    def response(self, choice: dict[str, Any], gen: g.Generation) -> JSONResponse:
+        return JSONResponse({
+            **self._head(), "choices": [choice], "usage": fmt.usage(gen),
+            "system_fingerprint": None,
+        })
+
+    def chunk(self, choice: dict[str, Any]) -> str:
+        body: dict[str, Any] = {**self._head(), "system_fingerprint": None, "choices": [choice]}
+        if self.include_usage:
+            body["usage"] = None
+        return _data(body)
+
+    def tail(self, gen: g.Generation) -> list[str]:
+        """A stream's closing lines after a good end: the usage chunk if asked for, then [DONE]."""
+        if not self.include_usage:
+            return ["data: [DONE]\n\n"]
+        body = {**self._head(), "system_fingerprint": None, "choices": [], "usage": fmt.usage(gen)}
+        return [_data(body), "data: [DONE]\n\n"]
+
+
+def _choice(
+    fields: dict[str, Any], logprobs: Any, final: StreamEvent | None = None
+) -> dict[str, Any]:
+    """The one choice (n=1) around `fields`; finish fields once `final`, the last event, is in."""
+    if final is None:
+        return {"index": 0, **fields, "logprobs": logprobs, "finish_reason": None}
+    return {"index": 0, **fields, "logprobs": logprobs, "finish_reason": fmt.finish_reason(final),
+            **fmt.chat_choice_extra(final)}
 
 
 @router.post("/v1/chat/completions")
 async def chat_completions(request: Request) -> Response:
     state = serve_state(request)
-    data = parse_json_object(await request.body())
-    refuse_unsupported(data, UNSUPPORTED_CHAT)
-    req = validate_body(ChatCompletionRequest, data)
+    req = await read_body(request, ChatCompletionRequest, UNSUPPORTED_CHAT)
     engine = state.ready_engine()
     request_info(request)["user"] = req.user
     messages = [_template_message(m) for m in req.messages]
@@ -81,68 +116,43 @@ async def chat_completions(request: Request) -> Response:
     field = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
     max_tokens = g.fit_max_tokens(len(prompt_ids), req.wanted_max_tokens(), state.max_context(), field)
     top = req.top_logprobs or 0
-    gen = _generation(request, state, prompt_ids, _params(req, max_tokens, req.wanted_logprobs()))
+    params = _params(req, max_tokens, req.wanted_logprobs())
+    gen = g.Generation.for_request(request, state, prompt_ids, params)
     splitter = ThinkSplitter(prompt_opens_thinking(prompt_text))
     await g.start(request, gen)
-    cid, created, model = f"chatcmpl-{uuid.uuid4().hex}", int(time.time()), state.model_name
+    kind = "chat.completion.chunk" if req.stream else "chat.completion"
+    reply = _Reply(f"chatcmpl-{uuid.uuid4().hex}", kind, int(time.time()), state.model_name,
+                   req.include_usage())
     if req.stream:
-        return g.sse(gen, _chat_stream(request, gen, splitter, cid, created, model, req.logprobs, top,
-                                       req.include_usage()))
+        return g.sse(gen, _chat_stream(request, gen, splitter, reply, req.logprobs, top))
     out = await g.collect_all(request, gen, splitter)
     message: dict[str, Any] = {"role": "assistant", "content": out.content, "refusal": None}
     if out.reasoning:
         message["reasoning_content"] = out.reasoning
-    choice = {
-        "index": 0,
-        "message": message,
-        "logprobs": fmt.chat_logprobs(out.logprobs, top) if req.logprobs else None,
-        "finish_reason": fmt.finish_reason(out.final),
-        **fmt.chat_choice_extra(out.final),
-    }
-    return JSONResponse({
-        "id": cid, "object": "chat.completion", "created": created, "model": model,
-        "choices": [choice], "usage": fmt.usage(gen), "system_fingerprint": None,
-    })
+    lps = fmt.chat_logprobs(out.logprobs, top) if req.logprobs else None
+    return reply.response(_choice({"message": message}, lps, out.final), gen)
 
 
-async def _chat_stream(
-    request: Request, gen: g.Generation, splitter: ThinkSplitter, cid: str, created: int, model: str,
-    logprobs: bool, top: int, include_usage: bool,
+def _chat_stream(
+    request: Request, gen: g.Generation, splitter: ThinkSplitter, reply: _Reply, logprobs: bool,
+    top: int,
 ) -> AsyncIterator[str]:
-    def chunk(delta: dict[str, Any], finish: str | None = None, lps: Any = None, **extra: Any) -> str:
-        body: dict[str, Any] = {
-            "id": cid, "object": "chat.completion.chunk", "created": created, "model": model,
-            "system_fingerprint": None,
-            "choices": [{"index": 0, "delta": delta, "logprobs": lps, "finish_reason": finish, **extra}],
-        }
-        if include_usage:
-            body["usage"] = None
-        return _data(body)
+    def chunk(delta: dict[str, Any], lps: Any = None, final: StreamEvent | None = None) -> str:
+        return reply.chunk(_choice({"delta": delta}, lps, final))
 
-    yield chunk({"role": "assistant", "content": ""})
-    try:
-        async for event in gen.events():
-            pieces = splitter.feed(event.text)
-            if event.finish_reason is not None:
-                pieces += splitter.flush()
-            lps = fmt.chat_logprobs(event.logprobs, top) if logprobs and event.logprobs else None
-            for kind, text in pieces:
-                key = "reasoning_content" if kind == "reasoning" else "content"
-                yield chunk({key: text}, lps=lps)
-                lps = None
-            if lps is not None:  # logprobs of tokens whose text is still held back
-                yield chunk({"content": ""}, lps=lps)
-            if event.finish_reason is not None:
-                yield chunk({}, fmt.finish_reason(event), **fmt.chat_choice_extra(event))
-    except ApiError as err:
-        yield sse_error_payload(request.url.path, err)
-        return
-    if include_usage:
-        yield _data({
-            "id": cid, "object": "chat.completion.chunk", "created": created, "model": model,
-            "system_fingerprint": None, "choices": [], "usage": fmt.usage(gen),
-        })
-    yield "data: [DONE]\n\n"
+    def each(event: StreamEvent) -> Iterator[str]:
+        lps = fmt.chat_logprobs(event.logprobs, top) if logprobs and event.logprobs else None
+        for kind, text in g.split_event(splitter, event):
+            key = "reasoning_content" if kind == "reasoning" else "content"
+            yield chunk({key: text}, lps)
+            lps = None
+        if lps is not None:  # logprobs of tokens whose text is still held back
+            yield chunk({"content": ""}, lps)
+        if event.finish_reason is not None:
+            yield chunk({}, final=event)
+
+    head = [chunk({"role": "assistant", "content": ""})]
+    return g.event_stream(request, gen, head, each, lambda: reply.tail(gen))
 
 
 async def _completion_prompt(state: ServeState, req: CompletionRequest) -> list[int]:
@@ -162,66 +172,39 @@ async def _completion_prompt(state: ServeState, req: CompletionRequest) -> list[
 @router.post("/v1/completions")
 async def completions(request: Request) -> Response:
     state = serve_state(request)
-    data = parse_json_object(await request.body())
-    refuse_unsupported(data, UNSUPPORTED_COMPLETIONS)
-    req = validate_body(CompletionRequest, data)
+    req = await read_body(request, CompletionRequest, UNSUPPORTED_COMPLETIONS)
     request_info(request)["user"] = req.user
     prompt_ids = await _completion_prompt(state, req)
     wanted = req.max_tokens if req.max_tokens is not None else COMPLETIONS_DEFAULT_MAX_TOKENS
     max_tokens = g.fit_max_tokens(len(prompt_ids), wanted, state.max_context(), "max_tokens")
-    gen = _generation(request, state, prompt_ids, _params(req, max_tokens, req.logprobs))
+    params = _params(req, max_tokens, req.logprobs)
+    gen = g.Generation.for_request(request, state, prompt_ids, params)
     await g.start(request, gen)
-    cid, created, model = f"cmpl-{uuid.uuid4().hex}", int(time.time()), state.model_name
+    reply = _Reply(f"cmpl-{uuid.uuid4().hex}", "text_completion", int(time.time()),
+                   state.model_name, req.include_usage())
     top = req.logprobs or 0
     if req.stream:
-        return g.sse(gen, _completion_stream(request, gen, cid, created, model, req.logprobs is not None,
-                                             top, req.include_usage()))
+        return g.sse(gen, _completion_stream(request, gen, reply, req.logprobs is not None, top))
     out = await g.collect_all(request, gen, None)
-    choice = {
-        "index": 0,
-        "text": out.content,
-        "logprobs": fmt.completion_logprobs(out.logprobs, top) if req.logprobs is not None else None,
-        "finish_reason": fmt.finish_reason(out.final),
-        **fmt.chat_choice_extra(out.final),
-    }
-    return JSONResponse({
-        "id": cid, "object": "text_completion", "created": created, "model": model,
-        "choices": [choice], "usage": fmt.usage(gen), "system_fingerprint": None,
-    })
+    lps = fmt.completion_logprobs(out.logprobs, top) if req.logprobs is not None else None
+    return reply.response(_choice({"text": out.content}, lps, out.final), gen)
 
 
-async def _completion_stream(
-    request: Request, gen: g.Generation, cid: str, created: int, model: str,
-    logprobs: bool, top: int, include_usage: bool,
+def _completion_stream(
+    request: Request, gen: g.Generation, reply: _Reply, logprobs: bool, top: int
 ) -> AsyncIterator[str]:
-    def chunk(text: str, finish: str | None = None, lps: Any = None, **extra: Any) -> str:
-        body: dict[str, Any] = {
-            "id": cid, "object": "text_completion", "created": created, "model": model,
-            "system_fingerprint": None,
-            "choices": [{"index": 0, "text": text, "logprobs": lps, "finish_reason": finish, **extra}],
-        }
-        if include_usage:
-            body["usage"] = None
-        return _data(body)
+    offset = 0  # of the next token in the whole completion's text, for text_offset
 
-    offset = 0
-    try:
-        async for event in gen.events():
-            lps = fmt.completion_logprobs(event.logprobs, top, offset) if logprobs else None
-            offset += sum(len(lp.text) for lp in event.logprobs)
-            if event.text or lps and lps["tokens"]:
-                yield chunk(event.text, lps=lps)
-            if event.finish_reason is not None:
-                yield chunk("", fmt.finish_reason(event), **fmt.chat_choice_extra(event))
-    except ApiError as err:
-        yield sse_error_payload(request.url.path, err)
-        return
-    if include_usage:
-        yield _data({
-            "id": cid, "object": "text_completion", "created": created, "model": model,
-            "system_fingerprint": None, "choices": [], "usage": fmt.usage(gen),
-        })
-    yield "data: [DONE]\n\n"
+    def each(event: StreamEvent) -> Iterator[str]:
+        nonlocal offset
+        lps = fmt.completion_logprobs(event.logprobs, top, offset) if logprobs else None
+        offset += sum(len(lp.text) for lp in event.logprobs)
+        if event.text or lps and lps["tokens"]:
+            yield reply.chunk(_choice({"text": event.text}, lps))
+        if event.finish_reason is not None:
+            yield reply.chunk(_choice({"text": ""}, None, event))
+
+    return g.event_stream(request, gen, [], each, lambda: reply.tail(gen))
 
 
 def _model_card(state: ServeState) -> dict[str, Any]:

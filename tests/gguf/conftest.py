@@ -13,6 +13,7 @@ from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 
 from strata.default_model import default_model_path
 from strata.gguf import GGUFFile
+from tests.gguf_writer import add_fields, finish
 
 T = GGMLQuantizationType
 
@@ -82,23 +83,10 @@ def write_gguf(tmp_path: Path) -> WriteGGUF:
     ) -> Path:
         path = tmp_path / name
         writer = gguf.GGUFWriter(path, arch, **writer_options)
-        for key, value in (metadata or {}).items():
-            if isinstance(value, bool):
-                writer.add_bool(key, value)
-            elif isinstance(value, int):
-                writer.add_int64(key, value)
-            elif isinstance(value, float):
-                writer.add_float32(key, value)
-            elif isinstance(value, str):
-                writer.add_string(key, value)
-            else:
-                writer.add_array(key, value)
+        add_fields(writer, metadata or {}, int64=True)
         for tensor_name, array, raw_dtype in tensors:
             writer.add_tensor(tensor_name, array, raw_dtype=raw_dtype)
-        writer.write_header_to_file()
-        writer.write_kv_data_to_file()
-        writer.write_tensors_to_file()
-        writer.close()
+        finish(writer)
         return path
 
     return write

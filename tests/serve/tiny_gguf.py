@@ -13,22 +13,9 @@ import numpy as np
 from gguf import GGUFWriter
 
 from strata.gguf import GGUFFile
+from tests.gguf_writer import add_fields, finish
 
 HIDDEN, LAYERS, HEADS, KV_HEADS = 64, 2, 4, 2
-
-
-def _copy_tokenizer(w: GGUFWriter, metadata: dict) -> None:
-    for key, value in metadata.items():
-        if not key.startswith("tokenizer."):
-            continue
-        if isinstance(value, bool):
-            w.add_bool(key, value)
-        elif isinstance(value, int):
-            w.add_uint32(key, value)
-        elif isinstance(value, str):
-            w.add_string(key, value)
-        elif isinstance(value, list):
-            w.add_array(key, value)
 
 
 def write_tiny_gguf(default_gguf: Path, path: Path, seed: int = 0, hidden: int = HIDDEN) -> Path:
@@ -54,7 +41,7 @@ def write_tiny_gguf(default_gguf: Path, path: Path, seed: int = 0, hidden: int =
     w.add_rope_freq_base(10000.0)
     w.add_layer_norm_rms_eps(1e-5)
     w.add_vocab_size(vocab)
-    _copy_tokenizer(w, source)
+    add_fields(w, {k: v for k, v in source.items() if k.startswith("tokenizer.")})
     w.add_tensor("token_embd.weight", weight(vocab, hidden).astype(np.float16))
     w.add_tensor("output_norm.weight", np.ones(hidden, dtype=np.float32))
     for i in range(LAYERS):
@@ -68,8 +55,5 @@ def write_tiny_gguf(default_gguf: Path, path: Path, seed: int = 0, hidden: int =
         w.add_tensor(p + "ffn_gate.weight", weight(ffn, hidden))
         w.add_tensor(p + "ffn_up.weight", weight(ffn, hidden))
         w.add_tensor(p + "ffn_down.weight", weight(hidden, ffn))
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
+    finish(w)
     return path

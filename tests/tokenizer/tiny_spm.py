@@ -17,6 +17,7 @@ from tokenizers import Tokenizer as Backend
 from tokenizers import models, pre_tokenizers, trainers
 
 from strata.gguf.reader import open_reader, read_metadata
+from tests.gguf_writer import add_fields, finish
 
 SPM_CORPUS = [
     "The quick brown fox jumps over the lazy dog.",
@@ -96,26 +97,8 @@ def build_spm_vocab(folder: Path) -> SpmVocab:
         "tokenizer.chat_template": SPM_TEMPLATE,
     }
     path = folder / "spm.gguf"
-    _write_gguf(path, fields)
+    writer = gguf.GGUFWriter(str(path), "llama")  # metadata only: enough for any tokenizer loader
+    add_fields(writer, fields)
+    finish(writer)
     metadata = read_metadata(path, open_reader(path))
     return SpmVocab(metadata, path)
-
-
-def _write_gguf(path: Path, fields: dict[str, Any]) -> None:
-    """A GGUF holding only metadata: enough for any tokenizer loader."""
-    writer = gguf.GGUFWriter(str(path), "llama")
-    for key, value in fields.items():
-        if isinstance(value, bool):
-            writer.add_bool(key, value)
-        elif isinstance(value, int):
-            writer.add_uint32(key, value)
-        elif isinstance(value, str):
-            writer.add_string(key, value)
-        else:
-            writer.add_array(key, value)
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
-
-
