@@ -118,3 +118,28 @@ def test_turned_off_by_environment(monkeypatch) -> None:
         monkeypatch.delenv("STRATA_CPU_KERNEL")
         cpu_kernel.cache_clear()
     assert cpu_kernel() is not None
+
+
+def test_a_failed_build_falls_back_to_torch_with_one_warning(monkeypatch, caplog) -> None:
+    """No compiler (or a broken one): the engine still runs, on the torch path, and says so."""
+    from torch.utils import cpp_extension
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("Error building extension 'strata_cpu_kernels': g++ not found")
+
+    monkeypatch.setattr(cpp_extension, "load", broken)
+    monkeypatch.setattr(cpp_extension, "_get_build_directory", lambda name, verbose: "/nonexistent")
+    cpu_kernel.cache_clear()
+    try:
+        with caplog.at_level("WARNING"):
+            assert cpu_kernel() is None
+        assert "CPU kernels unavailable (Error building extension" in caplog.text
+        pool = KvPool(make_format("bf16", 2, 16), 1, 1, 64, 16, None)
+        assert pool.reserve(0, 3)
+        ctx = TableAttention(pool, [SeqSpec(0, 0, 3)], 4, 0.25, torch.bfloat16)
+        assert ctx.kernel is None
+        out = ctx.attend(0, torch.randn(3, 4, 16).bfloat16(), torch.randn(3, 2, 16).bfloat16(),
+                         torch.randn(3, 2, 16).bfloat16())
+        assert out.shape == (3, 4, 16) and torch.isfinite(out.float()).all()
+    finally:
+        cpu_kernel.cache_clear()
