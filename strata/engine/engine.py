@@ -320,7 +320,7 @@ class Engine:
         for i, (lane, req) in enumerate(zip(prev.step.lanes, prev.reqs)):
             if lane.request is not req or req is None:  # cancelled meanwhile
                 continue
-            pos = len(lane.tokens) + 1  # prev's token sits at len(lane.tokens)
+            pos = len(lane.tokens) + 1  # prev fed position len(lane.tokens); its sample goes next
             if len(req.output) + 1 >= req.params.max_tokens or pos + 1 >= self.config.max_context:
                 continue
             if self.pool.capacity(lane.index) <= pos and not self.scheduler.make_room(lane, pos + 1):
