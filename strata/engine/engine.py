@@ -11,7 +11,7 @@ import logging
 import threading
 from collections import deque
 from concurrent.futures import Future
-from dataclasses import dataclass
+from functools import partial
 from typing import Any, Callable
 
 import torch
@@ -19,15 +19,15 @@ import torch
 from strata.engine.config import EngineConfig
 from strata.engine.conversation_cache import ConversationCache
 from strata.engine.parking import Parking
+from strata.engine.pipeline import Launched, continuation
 from strata.engine.request import Request, RequestHandle
 from strata.engine.runner import Runner
-from strata.engine.sampling import make_generator, sample
+from strata.engine.sampling import has_penalties, make_generator, sample
 from strata.engine.scheduler import Lane, Scheduler, Step
 from strata.engine.sessions import SessionFiles, SessionResult
 from strata.engine.stop import StopMatcher
 from strata.engine.types import FinishReason, SamplingParams, StreamEvent
 from strata.errors import BadRequest, ContextTooLong, ModelLoadError, QueueFull, StrataError
-from strata.kv.attention import SeqSpec
 from strata.kv.formats import make_format
 from strata.kv.pool import KvPool
 from strata.kv.stream import streamed_pool
@@ -248,7 +248,7 @@ class Engine:
 
     # ---- the loop ---------------------------------------------------------------
     def _loop(self) -> None:
-        inflight: _Launched | None = None
+        inflight: Launched | None = None
         while True:
             with self._lock:
                 closed = self._closed
@@ -279,64 +279,32 @@ class Engine:
                 self._wake.wait(timeout=0.5)
                 self._wake.clear()
                 continue
-            inflight = self._launch(step, lambda: self.runner.forward(step.seqs, step.tokens, step.sample))
+            inflight = self._launch(step, partial(self.runner.forward, step.seqs, step.tokens, step.sample))
             if inflight is not None and (inflight.ids is None or not self.pipeline):
                 self._complete(inflight)
                 inflight = None
 
-    def _launch(self, step: Step, forward: Callable[[], torch.Tensor]) -> _Launched | None:
+    def _launch(self, step: Step, forward: Callable[[], torch.Tensor]) -> Launched | None:
         """Run a step's forward; a greedy decode step also gets its tokens, left on the device."""
-        reqs = [lane.request for lane in step.lanes]
         try:
-            logits = forward()
-            launched = _Launched(step, reqs, logits)  # type: ignore[arg-type]
-            if all(step.sample) and all(s.n == 1 for s in step.seqs) and all(map(_plain_greedy, reqs)):
-                launched.ids = logits.argmax(dim=-1)  # what `sample` does for such rows
-                launched.host = launched.ids.to("cpu", non_blocking=True)
-                if launched.ids.is_cuda:
-                    launched.ready = torch.cuda.Event()
-                    launched.ready.record()
+            launched = Launched(step, [lane.request for lane in step.lanes], forward())
+            launched.take_greedy_ids()
             self.steps += 1
             return launched
         except Exception as e:  # fail this step's requests; the engine keeps serving
             self._fail_step(step, e)
             return None
 
-    def _continue(self, prev: _Launched) -> _Launched | None:
-        """Launch the decode step after `prev` before `prev`'s tokens reach the host.
-
-        Every lane of `prev` still serving the same request goes on, fed its
-        token from the device, unless `prev` certainly ended it (its last
-        token by max_tokens or context). A lane that `prev` ends otherwise
-        (EOS, a stop string) wastes this step: its K/V lands one position past
-        what the lane keeps, and its row is skipped. Waiting requests, other
-        sampling and a pool that cannot grow take the ordinary path.
-        """
-        if prev.ids is None or self.scheduler.waiting:
+    def _continue(self, prev: Launched) -> Launched | None:
+        """Launch the decode step after `prev` before `prev`'s tokens reach the host (pipeline.py)."""
+        nxt = continuation(prev, self.scheduler, self.config.max_context)
+        if nxt is None:
             return None
-        seqs: list[SeqSpec] = []
-        lanes: list[Lane] = []
-        rows: list[int] = []
-        for i, (lane, req) in enumerate(zip(prev.step.lanes, prev.reqs)):
-            if lane.request is not req or req is None:  # cancelled meanwhile
-                continue
-            pos = len(lane.tokens) + 1  # prev fed position len(lane.tokens); its sample goes next
-            if len(req.output) + 1 >= req.params.max_tokens or pos + 1 >= self.config.max_context:
-                continue
-            if self.pool.capacity(lane.index) <= pos and not self.scheduler.make_room(lane, pos + 1):
-                return None
-            seqs.append(SeqSpec(lane.index, pos, 1))
-            lanes.append(lane)
-            rows.append(i)
-        if not seqs:
-            return None
-        assert prev.ids is not None
-        ids = prev.ids if len(rows) == len(prev.reqs) else prev.ids[torch.tensor(rows, device=prev.ids.device)]
-        step = Step(seqs, lanes, [0] * len(seqs), [True] * len(seqs))
+        step, ids = nxt
         self.pipelined_steps += 1
-        return self._launch(step, lambda: self.runner.decode_from(seqs, ids))
+        return self._launch(step, partial(self.runner.decode_from, step.seqs, ids))
 
-    def _complete(self, launched: _Launched) -> None:
+    def _complete(self, launched: Launched) -> None:
         try:
             self._postprocess(launched)
         except Exception as e:  # fail this step's requests; the engine keeps serving
@@ -389,7 +357,7 @@ class Engine:
             req.detok = IncrementalDetokenizer(self.tokenizer, req.prompt)
             req.stopper = StopMatcher(req.params.stop)
 
-    def _postprocess(self, launched: _Launched) -> None:
+    def _postprocess(self, launched: Launched) -> None:
         """Account the step's input tokens, then sample and accept its output tokens."""
         step = launched.step
         lanes_sampled: list[Lane] = []
@@ -410,9 +378,7 @@ class Engine:
         if not lanes_sampled:
             return
         if launched.host is not None:  # a greedy decode step: its tokens are on their way
-            if launched.ready is not None:
-                launched.ready.synchronize()
-            all_tokens = launched.host.tolist()
+            all_tokens = launched.host_ids()
             tokens = [all_tokens[i] for i in rows]
             logprobs: list[Any] = [None] * len(rows)
         else:
@@ -425,7 +391,7 @@ class Engine:
             result = sample(
                 logits,
                 [r.params for r in reqs],  # type: ignore[union-attr]
-                [r.prompt + r.output for r in reqs] if any(_penalised(r) for r in reqs) else [[]] * len(reqs),  # type: ignore[union-attr]
+                [r.prompt + r.output for r in reqs] if any(has_penalties(r.params) for r in reqs) else [[]] * len(reqs),  # type: ignore[union-attr]
                 [r.generator for r in reqs],  # type: ignore[union-attr]
                 [len(r.prompt) for r in reqs],  # type: ignore[union-attr]
             )
@@ -497,26 +463,3 @@ class Engine:
         for lane in self.scheduler.lanes:
             if lane.request is not None:
                 self._finish(lane, FinishReason.CANCELLED)
-
-
-def _penalised(req: Request | None) -> bool:
-    assert req is not None
-    p = req.params
-    return p.repetition_penalty != 1.0 or p.presence_penalty != 0.0 or p.frequency_penalty != 0.0
-
-
-def _plain_greedy(req: Request | None) -> bool:
-    """Greedy, with no penalties and no logprobs: its token is the argmax, taken on the device."""
-    return req is not None and req.params.greedy and req.params.logprobs is None and not _penalised(req)
-
-
-@dataclass
-class _Launched:
-    """A step whose forward has been issued; post-processed once its tokens are needed."""
-
-    step: Step
-    reqs: list[Request | None]  # each lane's request when the step was launched
-    logits: torch.Tensor  # sampled rows, in order
-    ids: torch.Tensor | None = None  # greedy decode steps: the sampled ids, on the device
-    host: torch.Tensor | None = None  # ... and their copy on the host
-    ready: Any = None  # CUDA event: the copy is done
