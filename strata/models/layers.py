@@ -11,6 +11,8 @@ weight-name maps in `naming.py` short.
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -76,9 +78,15 @@ class Attention(nn.Module):
     def forward(
         self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, ctx: AttentionContext
     ) -> torch.Tensor:
-        t = x.shape[0]
+        out = self.attend(self.qkv_proj.forward(x), cos, sin, ctx)
+        return self.o_proj.forward(out)
+
+    def attend(
+        self, qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, ctx: AttentionContext
+    ) -> torch.Tensor:
+        """The fused projection [T, width] -> attention output [T, q_size] (o_proj's input)."""
+        t = qkv.shape[0]
         hq = self.num_heads
-        qkv = self.qkv_proj.forward(x)
         if self.q_norm is not None and self.k_norm is not None:
             qkv = qkv.view(t, -1, self.head_dim)
             qk = qkv[:, : self.qk_heads]
@@ -90,8 +98,7 @@ class Attention(nn.Module):
             v = qkv[:, self.qk_heads :].contiguous()
         else:
             q, k, v = ops.rope_qkv(qkv, cos, sin, hq, self.num_kv_heads, self.head_dim)
-        out = ctx.attend(self.layer_index, q, k, v)
-        return self.o_proj.forward(out.reshape(t, self.q_size))
+        return ctx.attend(self.layer_index, q, k, v).reshape(t, self.q_size)
 
 
 class MLP(nn.Module):
@@ -123,10 +130,26 @@ class DecoderLayer(nn.Module):
     def forward(
         self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, ctx: AttentionContext
     ) -> torch.Tensor:
+        attn, mlp = self.self_attn, self.mlp
+        g = ops.row_kernels(h, attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)
+        if g is not None:
+            return self._forward_row(g, h, cos, sin, ctx)
         a = self.self_attn.forward(self.input_layernorm.forward(h), cos, sin, ctx)
         post = self.post_attention_layernorm
         h, x = ops.add_rms_norm(h, a, post.weight, post.eps)  # the residual add and the next norm
         return h + self.mlp.forward(x)
+
+    def _forward_row(self, g: Any, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                     ctx: AttentionContext) -> torch.Tensor:
+        """One CUDA row (a one-lane decode step): four matrix-vector products (`gpu/gemv.py`)
+        that carry both norms, the SwiGLU product and both residual adds."""
+        attn, mlp = self.self_attn, self.mlp
+        pre, post = self.input_layernorm, self.post_attention_layernorm
+        qkv = g.gemv(h, attn.qkv_proj.weight, attn.qkv_proj.bias, norm_weight=pre.weight,
+                     eps=pre.eps)
+        h = g.gemv(attn.attend(qkv, cos, sin, ctx), attn.o_proj.weight, residual=h)
+        act = g.gemv(h, mlp.gate_up_proj.weight, norm_weight=post.weight, eps=post.eps, silu=True)
+        return g.gemv(act, mlp.down_proj.weight, residual=h)
 
 
 class DecoderModel(nn.Module):
@@ -176,6 +199,10 @@ class DecoderModel(nn.Module):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden [N, hidden_size] -> float32 logits [N, vocab]."""
+        head = self.embed_tokens if self.lm_head is None else self.lm_head
+        g = ops.row_kernels(hidden, head)
+        if g is not None:
+            return g.gemv(hidden, head.weight, out_dtype=torch.float32)
         if self.lm_head is None:  # tied: the embedding is the output head
             return stable_linear(hidden, self.embed_tokens.weight).float()
         return self.lm_head.forward(hidden).float()

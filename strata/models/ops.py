@@ -12,6 +12,7 @@ Triton, or with STRATA_GPU_FUSED=0, to torch). All compute every row by itself.
 from __future__ import annotations
 
 import functools
+import importlib
 import os
 from typing import Any
 
@@ -25,16 +26,44 @@ def _kernel(x: torch.Tensor) -> Any | None:
     return cpu_kernel() if x.device.type == "cpu" else None
 
 
-@functools.lru_cache(maxsize=1)
-def _fused_kernels() -> Any | None:
-    """`strata.gpu.fused` (imports Triton), or None without Triton or with STRATA_GPU_FUSED=0."""
-    if os.environ.get("STRATA_GPU_FUSED", "1") == "0":
+@functools.cache
+def _gpu_module(name: str, switch: str) -> Any | None:
+    """`strata.gpu.<name>` (imports Triton), or None without Triton or with <switch>=0."""
+    if os.environ.get(switch, "1") == "0":
         return None
     try:
-        from strata.gpu import fused
+        return importlib.import_module(f"strata.gpu.{name}")
     except ImportError:
         return None
-    return fused
+
+
+def _fused_kernels() -> Any | None:
+    """The row-wise kernels (`gpu/fused.py`); STRATA_GPU_FUSED=0 keeps the torch expressions."""
+    return _gpu_module("fused", "STRATA_GPU_FUSED")
+
+
+def _gemv_kernels() -> Any | None:
+    """The one-row products (`gpu/gemv.py`); STRATA_GPU_GEMV=0 keeps cuBLAS and separate ops."""
+    return _gpu_module("gemv", "STRATA_GPU_GEMV")
+
+
+def row_kernels(h: torch.Tensor, *linears: torch.nn.Module) -> Any | None:
+    """`strata.gpu.gemv` when h is one CUDA row that its kernels take against every linear's
+    weight (plain weights, not quantized modules), else None.
+
+    A one-lane decode step on the GPU then runs each sublayer as matrix-vector
+    products that carry the norms, SwiGLU and residual adds (`DecoderLayer`).
+    """
+    if not h.is_cuda or h.shape[0] != 1:
+        return None
+    g = _gemv_kernels()
+    if g is None:
+        return None
+    for m in linears:
+        w = getattr(m, "weight", None)
+        if not isinstance(w, torch.Tensor) or not g.takes_weight(h, w):
+            return None
+    return g
 
 
 def _fused(x: torch.Tensor) -> Any | None:

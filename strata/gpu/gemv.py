@@ -1,0 +1,170 @@
+"""One-row matrix-vector products for a one-lane decode step, with the small ops folded in.
+
+A one-lane decode step of an 8B model reads 15 GB of weights for one token,
+so it is a sequence of matrix-vector products plus a few row-wise kernels
+between them, each of which costs a launch and a gap in the stream. Here
+each product carries its neighbours:
+
+- `norm`: the RMSNorm of the input row is computed by every program from the
+  raw residual row (8 KB, from L2), so the norm kernel before QKV and before
+  gate/up disappears;
+- `silu`: gate and up rows of the same index are read by the same program,
+  which writes silu(gate) * up, so the SwiGLU kernel disappears;
+- `residual`: the residual row is added in the epilogue (o_proj, down_proj),
+  so the residual-add kernels disappear;
+- `bias`: q/k/v biases (Qwen2).
+
+The rounding is that of the unfused ops (`models/ops.py`, `gpu/fused.py`):
+the normalised row is rounded to the dtype before and after the weight, the
+product is rounded before the residual add, silu(gate) is rounded before
+the multiply with up. The dot products accumulate in float32 in a fixed
+order per row: a program owns whole rows (no split-K, no atomics), so a
+graph replay equals the eager run bit for bit. The dot products may use
+fused multiply-adds (nothing else here has a product next to a sum).
+
+Each program reads BLOCK_N weight rows in tiles of BLOCK_K columns; the tile
+shape per matrix shape comes from `CONFIGS` (measured on the H200 with
+`gpu_bench --sweep-gemv`) or a rule for other shapes.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+from strata.gpu.fused import _exp
+
+DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+NORM_MAX = 16384  # the longest input row a program normalises in one tile
+MIN_BLOCK_K = 16  # rows must be a multiple of this (every model here: 576, 960, 4096 ...)
+# (N, K) -> (BLOCK_N, BLOCK_K, num_warps, num_stages); N counts gate rows only for gate/up.
+CONFIGS: dict[tuple[int, int], tuple[int, int, int, int]] = {}
+
+
+def _override() -> tuple[int, int, int, int] | None:
+    """STRATA_GEMV_CONFIG="BLOCK_N,BLOCK_K,WARPS,STAGES" forces one config (for the sweep)."""
+    s = os.environ.get("STRATA_GEMV_CONFIG")
+    if not s:
+        return None
+    bn, bk, w, st = (int(v) for v in s.split(","))
+    return bn, bk, w, st
+
+
+def config(n: int, k: int) -> tuple[int, int, int, int]:
+    """The launch shape for n output rows over k columns."""
+    forced = _override()
+    if forced is not None:
+        return forced
+    if (n, k) in CONFIGS:
+        return CONFIGS[(n, k)]
+    bk = 512
+    while bk > MIN_BLOCK_K and k % bk:
+        bk //= 2
+    bn = 4 if n >= 16384 else 2
+    return bn, bk, 4, 1
+
+
+@triton.jit
+def _gemv_kernel(
+    x, w, out, res, bias, nw, eps, N, K: tl.constexpr, GATE_OFF,
+    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, NORM: tl.constexpr, NORM_BLOCK: tl.constexpr,
+    SILU: tl.constexpr, RESIDUAL: tl.constexpr, BIAS: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    rows = pid * BLOCK_N + tl.arange(0, BLOCK_N)
+    row_ok = rows < N
+    rows_c = tl.where(row_ok, rows, 0).to(tl.int64)  # in-bounds reads for the tail rows
+    cols = tl.arange(0, BLOCK_K)
+    dt = x.dtype.element_ty
+    if NORM:  # 1 / rms of the input row, as fused._rms_kernel computes it
+        nc = tl.arange(0, NORM_BLOCK)
+        v = tl.load(x + nc, mask=nc < K, other=0.0).to(tl.float32)
+        mean = tl.math.div_rn(tl.sum(v * v, 0), tl.full([], K, tl.float32))
+        inv = tl.math.div_rn(tl.full([], 1.0, tl.float32), tl.sqrt_rn(mean + eps))
+    w_rows = w + rows_c[:, None] * K
+    acc = tl.zeros([BLOCK_N, BLOCK_K], tl.float32)
+    if SILU:
+        acc_up = tl.zeros([BLOCK_N, BLOCK_K], tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        c = k0 + cols
+        xv = tl.load(x + c).to(tl.float32)
+        if NORM:
+            xn = (xv * inv).to(dt).to(tl.float32)
+            xv = (tl.load(nw + c).to(tl.float32) * xn).to(dt).to(tl.float32)
+        acc += tl.load(w_rows + c[None, :]).to(tl.float32) * xv[None, :]
+        if SILU:
+            acc_up += tl.load(w_rows + GATE_OFF + c[None, :]).to(tl.float32) * xv[None, :]
+    y = tl.sum(acc, 1)
+    if BIAS:
+        y += tl.load(bias + rows_c).to(tl.float32)
+    y = y.to(dt).to(tl.float32)
+    if SILU:
+        up = tl.sum(acc_up, 1).to(dt).to(tl.float32)
+        y = tl.math.div_rn(y, 1.0 + _exp(-y)).to(dt).to(tl.float32) * up
+    if RESIDUAL:
+        y = tl.load(res + rows_c).to(tl.float32) + y
+    tl.store(out + rows, y.to(out.dtype.element_ty), mask=row_ok)
+
+
+def takes(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    """One contiguous row against a contiguous [N, K] weight of its dtype (bf16, fp16, fp32)."""
+    return (
+        x.dim() == 2 and x.shape[0] == 1 and x.is_contiguous() and weight.shape[1] == x.shape[1]
+        and takes_weight(x, weight)
+    )
+
+
+def takes_weight(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    """A contiguous [N, K] weight of x's dtype with K a multiple of MIN_BLOCK_K (x may be
+    another layer's input: only the dtype is compared)."""
+    return (
+        x.dtype in DTYPES and weight.dtype == x.dtype and weight.dim() == 2
+        and weight.is_contiguous() and weight.shape[1] % MIN_BLOCK_K == 0
+    )
+
+
+def gemv(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    *,
+    norm_weight: torch.Tensor | None = None,
+    eps: float = 0.0,
+    silu: bool = False,
+    residual: torch.Tensor | None = None,
+    out_dtype: torch.dtype | None = None,
+) -> torch.Tensor:
+    """[1, K] x weight[N, K]^T -> [1, N] (silu: [1, N/2]) with the folded ops named.
+
+    norm_weight: the input row is `rms_norm(x, norm_weight, eps)` first.
+    silu: weight holds gate rows then up rows; the result is silu(gate) * up.
+    residual: [1, N] added to the rounded product.
+    out_dtype: store the (rounded) result in another dtype (float32 logits).
+    """
+    if not takes(x, weight):
+        raise ValueError(f"gemv takes one contiguous row against [N, K] of its dtype: "
+                         f"x {tuple(x.shape)} {x.dtype}, weight {tuple(weight.shape)} {weight.dtype}")
+    n, k = weight.shape
+    if silu:
+        if n % 2:
+            raise ValueError(f"gate/up weight has an odd number of rows ({n})")
+        n //= 2
+    if norm_weight is not None and (norm_weight.numel() != k or k > NORM_MAX):
+        raise ValueError(f"norm weight of {norm_weight.numel()} for rows of {k} (at most {NORM_MAX})")
+    if residual is not None and (residual.numel() != n or residual.dtype != x.dtype):
+        raise ValueError(f"residual {tuple(residual.shape)} {residual.dtype} for {n} outputs")
+    out = torch.empty((1, n), dtype=out_dtype or x.dtype, device=x.device)
+    bn, bk, warps, stages = config(n, k)
+    if k % bk:
+        raise ValueError(f"BLOCK_K {bk} does not divide rows of {k}")
+    _gemv_kernel[(triton.cdiv(n, bn),)](
+        x, weight, out, residual if residual is not None else x,
+        bias if bias is not None else x, norm_weight if norm_weight is not None else x,
+        eps, n, K=k, GATE_OFF=n * k, BLOCK_N=bn, BLOCK_K=bk, NORM=norm_weight is not None,
+        NORM_BLOCK=triton.next_power_of_2(k), SILU=silu, RESIDUAL=residual is not None,
+        BIAS=bias is not None, num_warps=warps, num_stages=stages,
+    )
+    return out
