@@ -6,6 +6,7 @@ import torch
 
 from strata.kv.attention import SeqSpec, TableAttention
 from strata.kv.gpu_attention import context_class
+from strata.kv.gpu_stream import stream_context
 from strata.kv.pool import KvPool
 
 
@@ -18,10 +19,10 @@ class Runner:
         self.scale = scale
         self.dtype = dtype
         self.device = device
-        # Triton kernels read the pool in place; a streamed pool goes through its store
-        self.context = TableAttention if pool.store is not None else context_class(pool)
+        # Triton kernels read the pool in place, or a streamed pool's device cache (no graphs)
+        self.context = stream_context(pool) if pool.store is not None else context_class(pool)
         self.graphs = None  # CUDA graphs of decode steps (prompt reading stays eager)
-        if graphs and self.context is not TableAttention:
+        if graphs and pool.store is None and self.context is not TableAttention:
             from strata.kv.triton.graphs import DecodeGraphs
 
             self.graphs = DecodeGraphs(model, pool, num_heads, scale, dtype)

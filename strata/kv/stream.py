@@ -21,11 +21,19 @@ Every path moves whole runs and dequantizes with the format's own `read`, so
 streamed attention equals resident attention bit for bit
 (tests/kv/test_stream.py). On a machine without a GPU the cache is a second
 CPU buffer and the same code runs.
+
+On CUDA the engine does not use `read`/`write` but the Triton kernels over the
+cache (`strata.kv.gpu_stream`, docs/GPU_STREAMING.md): it resolves every
+layer's residency at the start of a step (`plan_layers`), copies misses on a
+side stream ahead of the layers that read them (`overlap`), and writes new
+K/V behind, to the host store, without a host sync (`settle()` lands them
+before anyone reads the host store directly).
 """
 
 from __future__ import annotations
 
 import math
+import os
 from dataclasses import asdict, dataclass
 
 import torch
@@ -35,6 +43,11 @@ from strata.kv.pool import KvPool
 from strata.kv.residency import BlockUsage, ResidencyConfig, choose_resident
 
 DEFAULT_BLOCK_CELLS = 64
+OVERLAP_ENV = "STRATA_STREAM_OVERLAP"  # "0": the CUDA path copies each layer's misses, then waits
+
+
+def overlap_default() -> bool:
+    return os.environ.get(OVERLAP_ENV, "1") != "0"
 
 
 @dataclass
@@ -128,6 +141,7 @@ class StreamStore:
         block_cells: int = DEFAULT_BLOCK_CELLS,
         device: torch.device | str | None = None,
         residency: ResidencyConfig | None = None,
+        overlap: bool | None = None,
     ) -> None:
         # A block must not straddle two chunks, or one block would mix sessions.
         self.block = math.gcd(block_cells, pool.chunk_size)
@@ -156,6 +170,11 @@ class StreamStore:
         self.uploader = _Uploader(self.device)
         self._maps_key: tuple[torch.Tensor, tuple[int, ...]] | None = None
         self._maps: tuple[torch.Tensor, torch.Tensor] = (torch.empty(0), torch.empty(0))
+        # The CUDA path (kv/gpu_stream.py): copy layer L's misses while earlier layers compute
+        # (False: copy, then wait, as `read` does); its per-store state (streams, events,
+        # write-behind) lives in `gpu`, made on first use.
+        self.overlap = overlap_default() if overlap is None else overlap
+        self.gpu = None
 
     # ---- figures -------------------------------------------------------------
     def host_bytes(self) -> int:
@@ -180,6 +199,7 @@ class StreamStore:
     # ---- the pool's cell I/O ---------------------------------------------------
     def write(self, layer: int, cells: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         """Quantize once; the same bytes go to the host store and to resident blocks."""
+        self.settle()
         n = cells.numel()
         staged = self.fmt.allocate(n, k.device)
         self.fmt.write(staged, torch.arange(n, device=k.device), k, v)
@@ -201,9 +221,11 @@ class StreamStore:
         self, layer: int, cells: torch.Tensor, dtype: torch.dtype
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Dequantized k, v [N, Hkv, D] on the device for pool cells `cells` [N]."""
+        self.settle()
         cells_h = cells.to("cpu")
         need, inv = torch.unique(cells_h // self.block, return_inverse=True)
-        self._resolve(layer, need)
+        admit, slots = self._resolve(layer, need)
+        self._copy_in(layer, admit, slots)
         slot = self.block_slot[layer][need][inv]
         res = slot >= 0
         at = layer * self.rows + slot * self.block + cells_h % self.block
@@ -225,6 +247,13 @@ class StreamStore:
             t[: self.scratch0].copy_(self.area[name][: self.scratch0])
         self.area = grown
 
+    # ---- the host store as the source of truth ------------------------------------
+    def settle(self) -> None:
+        """Land every write still on its way to the host store, and let in-flight copies out of
+        it finish: after this the host store may be read or written directly."""
+        if self.gpu is not None:
+            self.gpu.settle()
+
     # ---- host writes behind the store's back ------------------------------------
     def invalidate(self, cells: torch.Tensor | None = None) -> None:
         """Drop cached blocks holding `cells` (all blocks if None) in every layer.
@@ -233,9 +262,11 @@ class StreamStore:
         session file): the next read copies those blocks in again.
         """
         if cells is None:
+            self.settle()
             self.block_slot.fill_(-1)
             self.slot_block.fill_(-1)
             return
+        self.settle()
         blocks = torch.unique(cells.to("cpu") // self.block)
         for layer in range(len(self.host)):
             slot = self.block_slot[layer][blocks]
@@ -243,8 +274,27 @@ class StreamStore:
             self.block_slot[layer][blocks] = -1
 
     # ---- resolution ------------------------------------------------------------
-    def _resolve(self, layer: int, need: torch.Tensor) -> None:
-        """Make the blocks `need` (sorted, distinct) resident where the cache allows."""
+    def plan_layers(self, need: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
+        """Residency of every layer for a step that reads the pool blocks `need` (sorted, distinct).
+
+        The same blocks are read in every layer; only what each layer's cache
+        holds differs. Per layer: (slot of each needed block after the step's
+        admissions, -1 where the block stays on the host; the admitted blocks;
+        their slots). Bookkeeping only: copying is the caller's.
+        """
+        plans = []
+        for layer in range(len(self.host)):
+            admit, slots = self._resolve(layer, need)
+            self._admit(layer, admit, slots)
+            plans.append((self.block_slot[layer][need].clone(), admit, slots))
+        return plans
+
+    def _resolve(self, layer: int, need: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Which of the blocks `need` (sorted, distinct) to admit, and into which slots.
+
+        Hits are recorded and evicted blocks leave the maps; the admitted ones
+        enter them with `_admit` (the caller's, beside its copy).
+        """
         self.clock += 1
         slots = self.block_slot[layer][need]
         hit = slots >= 0
@@ -254,12 +304,11 @@ class StreamStore:
         self.last_use[layer][slots[hit]] = self.clock
         misses = need[~hit]
         if misses.numel() == 0:
-            return
+            return misses, misses
         self.stats.misses += misses.numel()
         free = (self.slot_block[layer] < 0).nonzero().squeeze(1)
         if misses.numel() <= free.numel():
-            self._copy_in(layer, misses, free[: misses.numel()])
-            return
+            return misses, free[: misses.numel()]
         occupied = (self.slot_block[layer] >= 0).nonzero().squeeze(1)
         resident_blocks = self.slot_block[layer][occupied]
         cand = torch.cat([resident_blocks, misses])
@@ -285,7 +334,18 @@ class StreamStore:
         self.stats.overflow_blocks += int((~keep & needed).sum())
         self.block_slot[layer][self.slot_block[layer][evict]] = -1
         self.slot_block[layer][evict] = -1
-        self._copy_in(layer, admit, torch.cat([free, evict])[: admit.numel()])
+        return admit, torch.cat([free, evict])[: admit.numel()]
+
+    def _admit(self, layer: int, blocks: torch.Tensor, slots: torch.Tensor) -> None:
+        """Enter `blocks` into the maps at `slots` (their copy is the caller's)."""
+        m = blocks.numel()
+        if m == 0:
+            return
+        self.block_slot[layer][blocks] = slots
+        self.slot_block[layer][slots] = blocks
+        self.last_use[layer][slots] = self.clock
+        self.stats.blocks_copied += m
+        self.stats.bytes_copied += m * self.block * self.fmt.cell_bytes()
 
     def _copy_in(self, layer: int, blocks: torch.Tensor, slots: torch.Tensor) -> None:
         """Copy `blocks` host -> cache `slots`: one index_copy_ per run for all of them."""
@@ -299,11 +359,7 @@ class StreamStore:
             dest = rows.view(self.slots, *shape)
             jobs.append((dest, slots, src.view(self.num_blocks, *shape), blocks))
         self.uploader.copy(jobs)
-        self.block_slot[layer][blocks] = slots
-        self.slot_block[layer][slots] = blocks
-        self.last_use[layer][slots] = self.clock
-        self.stats.blocks_copied += m
-        self.stats.bytes_copied += m * self.block * self.fmt.cell_bytes()
+        self._admit(layer, blocks, slots)
 
     # ---- session information for the policy ------------------------------------------
     def _session_info(self, blocks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -359,6 +415,7 @@ def streamed_pool(
     resident_cells: int,
     block_cells: int = DEFAULT_BLOCK_CELLS,
     residency: ResidencyConfig | None = None,
+    overlap: bool | None = None,
 ) -> KvPool:
     """A KvPool whose storage is the host store and whose cell I/O streams to `device`.
 
@@ -371,5 +428,25 @@ def streamed_pool(
     if dev.type != "cpu":
         pool.device = dev
         pool.tables_device = pool.tables.to(dev)
-    pool.store = StreamStore(pool, resident_cells, block_cells, dev, residency)
+    pool.store = StreamStore(pool, resident_cells, block_cells, dev, residency, overlap)
+    _settle_before_host_io(pool)
     return pool
+
+
+def _settle_before_host_io(pool: KvPool) -> None:
+    """Raw cell I/O of the pool (parking, session files) reads and writes the host store
+    directly: let writes still on their way to it land first (`StreamStore.settle`)."""
+    export_cells, import_cells = pool.export_cells, pool.import_cells
+
+    def export_settled(layer: int, cells: torch.Tensor) -> Storage:
+        if pool.store is not None:
+            pool.store.settle()
+        return export_cells(layer, cells)
+
+    def import_settled(layer: int, cells: torch.Tensor, runs: Storage) -> None:
+        if pool.store is not None:
+            pool.store.settle()
+        import_cells(layer, cells, runs)
+
+    pool.export_cells = export_settled  # type: ignore[method-assign]
+    pool.import_cells = import_settled  # type: ignore[method-assign]
