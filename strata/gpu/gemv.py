@@ -29,6 +29,7 @@ shape per matrix shape comes from `CONFIGS` (measured on the H200 with
 
 from __future__ import annotations
 
+import functools
 import os
 
 import torch
@@ -37,11 +38,36 @@ import triton.language as tl
 
 from strata.gpu.fused import _exp
 
+INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
+try:  # programmatic dependent launch (Hopper and later; Triton 3.6)
+    from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
+except ImportError:  # pragma: no cover - depends on the installed Triton
+    gdc_launch_dependents = gdc_wait = None
+
+
+@triton.jit
+def _allow_dependents():
+    gdc_launch_dependents()
+
+
+@triton.jit
+def _wait_for_inputs():
+    gdc_wait()
+
 DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 NORM_MAX = 16384  # the longest input row a program normalises in one tile
 MIN_BLOCK_K = 16  # rows must be a multiple of this (every model here: 576, 960, 4096 ...)
-# (N, K) -> (BLOCK_N, BLOCK_K, num_warps, num_stages); N counts gate rows only for gate/up.
-CONFIGS: dict[tuple[int, int], tuple[int, int, int, int]] = {}
+# (N, K) -> (BLOCK_N, BLOCK_K, num_warps, num_stages) for the Llama-3.1-8B shapes, the fastest
+# of `python -m strata.bench.gemv_sweep` on an H200 (docs/GPU.md); N counts gate rows only for
+# gate/up. Other shapes take the rule in `config`.
+CONFIGS: dict[tuple[int, int], tuple[int, int, int, int]] = {
+    (6144, 4096): (4, 1024, 8, 1),  # q/k/v
+    (4096, 4096): (1, 1024, 8, 1),  # o_proj
+    (14336, 4096): (1, 1024, 8, 1),  # gate/up
+    (4096, 14336): (1, 512, 8, 1),  # down_proj
+    (49152, 4096): (1, 1024, 8, 1),  # output head (SmolLM2's vocabulary)
+    (128256, 4096): (1, 1024, 8, 1),  # output head (Llama 3's vocabulary)
+}
 
 
 def _override() -> tuple[int, int, int, int] | None:
@@ -60,18 +86,27 @@ def config(n: int, k: int) -> tuple[int, int, int, int]:
         return forced
     if (n, k) in CONFIGS:
         return CONFIGS[(n, k)]
-    bk = 512
+    bk = 1024  # the widest tile that divides the row, and about 1,024 weights a tile
     while bk > MIN_BLOCK_K and k % bk:
         bk //= 2
-    bn = 4 if n >= 16384 else 2
-    return bn, bk, 4, 1
+    return max(1, 1024 // bk), bk, 8 if bk >= 1024 else 4, 1
+
+
+@triton.jit
+def _input_tile(x, nw, inv, c, dt: tl.constexpr, NORM: tl.constexpr):
+    """Columns c of the input row in float32: x, or weight * round(x * inv) rounded (RMSNorm)."""
+    xv = tl.load(x + c).to(tl.float32)
+    if NORM:
+        xn = (xv * inv).to(dt).to(tl.float32)
+        xv = (tl.load(nw + c).to(tl.float32) * xn).to(dt).to(tl.float32)
+    return xv
 
 
 @triton.jit
 def _gemv_kernel(
     x, w, out, res, bias, nw, eps, N, K: tl.constexpr, GATE_OFF,
     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, NORM: tl.constexpr, NORM_BLOCK: tl.constexpr,
-    SILU: tl.constexpr, RESIDUAL: tl.constexpr, BIAS: tl.constexpr,
+    SILU: tl.constexpr, RESIDUAL: tl.constexpr, BIAS: tl.constexpr, PDL: tl.constexpr,
 ):
     pid = tl.program_id(0)
     rows = pid * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -79,21 +114,28 @@ def _gemv_kernel(
     rows_c = tl.where(row_ok, rows, 0).to(tl.int64)  # in-bounds reads for the tail rows
     cols = tl.arange(0, BLOCK_K)
     dt = x.dtype.element_ty
+    w_rows = w + rows_c[:, None] * K
+    # The first weight tile is asked for before anything that depends on the previous
+    # kernel: with PDL this program may start while that kernel is still finishing.
+    if PDL:
+        _allow_dependents()
+    w0 = tl.load(w_rows + cols[None, :])
+    if SILU:
+        u0 = tl.load(w_rows + GATE_OFF + cols[None, :])
+    if PDL:
+        _wait_for_inputs()  # x, the residual and `out` belong to the kernels before
     if NORM:  # 1 / rms of the input row, as fused._rms_kernel computes it
         nc = tl.arange(0, NORM_BLOCK)
         v = tl.load(x + nc, mask=nc < K, other=0.0).to(tl.float32)
         mean = tl.math.div_rn(tl.sum(v * v, 0), tl.full([], K, tl.float32))
         inv = tl.math.div_rn(tl.full([], 1.0, tl.float32), tl.sqrt_rn(mean + eps))
-    w_rows = w + rows_c[:, None] * K
-    acc = tl.zeros([BLOCK_N, BLOCK_K], tl.float32)
+    xv = _input_tile(x, nw, inv if NORM else eps, cols, dt, NORM)
+    acc = w0.to(tl.float32) * xv[None, :]
     if SILU:
-        acc_up = tl.zeros([BLOCK_N, BLOCK_K], tl.float32)
-    for k0 in range(0, K, BLOCK_K):
+        acc_up = u0.to(tl.float32) * xv[None, :]
+    for k0 in range(BLOCK_K, K, BLOCK_K):
         c = k0 + cols
-        xv = tl.load(x + c).to(tl.float32)
-        if NORM:
-            xn = (xv * inv).to(dt).to(tl.float32)
-            xv = (tl.load(nw + c).to(tl.float32) * xn).to(dt).to(tl.float32)
+        xv = _input_tile(x, nw, inv if NORM else eps, c, dt, NORM)
         acc += tl.load(w_rows + c[None, :]).to(tl.float32) * xv[None, :]
         if SILU:
             acc_up += tl.load(w_rows + GATE_OFF + c[None, :]).to(tl.float32) * xv[None, :]
@@ -107,6 +149,15 @@ def _gemv_kernel(
     if RESIDUAL:
         y = tl.load(res + rows_c).to(tl.float32) + y
     tl.store(out + rows, y.to(out.dtype.element_ty), mask=row_ok)
+
+
+@functools.cache
+def _pdl_on(index: int) -> bool:
+    """PDL for launches on CUDA device `index`: Hopper or later, Triton's intrinsics present,
+    not switched off with STRATA_GPU_PDL=0."""
+    if INTERPRET or gdc_wait is None or os.environ.get("STRATA_GPU_PDL", "1") == "0":
+        return False
+    return torch.cuda.get_device_capability(index)[0] >= 9
 
 
 def takes(x: torch.Tensor, weight: torch.Tensor) -> bool:
@@ -160,11 +211,13 @@ def gemv(
     bn, bk, warps, stages = config(n, k)
     if k % bk:
         raise ValueError(f"BLOCK_K {bk} does not divide rows of {k}")
+    pdl = x.is_cuda and _pdl_on(x.device.index if x.device.index is not None else 0)
     _gemv_kernel[(triton.cdiv(n, bn),)](
         x, weight, out, residual if residual is not None else x,
         bias if bias is not None else x, norm_weight if norm_weight is not None else x,
         eps, n, K=k, GATE_OFF=n * k, BLOCK_N=bn, BLOCK_K=bk, NORM=norm_weight is not None,
         NORM_BLOCK=triton.next_power_of_2(k), SILU=silu, RESIDUAL=residual is not None,
-        BIAS=bias is not None, num_warps=warps, num_stages=stages,
+        BIAS=bias is not None, PDL=pdl, num_warps=warps, num_stages=stages,
+        **({"launch_pdl": True} if pdl else {}),
     )
     return out

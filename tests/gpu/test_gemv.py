@@ -172,3 +172,38 @@ def test_one_row_model_step_takes_the_row_kernels() -> None:
     assert fused_logits.dtype == torch.float32
     rel = float((fused_logits - ref).norm() / ref.norm())
     assert rel < 1e-2, rel
+
+
+@pytest.mark.skipif(INTERPRET, reason="programmatic dependent launch needs a GPU")
+def test_chained_products_with_pdl_equal_the_serial_launches() -> None:
+    """Each product reads the one before (through x, the norm and the residual): launched with
+    programmatic dependent launch, eagerly and from a CUDA graph, the bits equal plain launches,
+    so no program reads its inputs before the kernel that writes them has finished."""
+    from unittest import mock
+
+    h0 = randn(1, 4096, dtype=torch.bfloat16, seed=20)
+    ws = [randn(n, k, dtype=torch.bfloat16, seed=21 + i, scale=k**-0.5)
+          for i, (n, k) in enumerate([(6144, 4096), (4096, 6144), (2 * 14336, 4096), (4096, 14336)])]
+    nw = randn(4096, dtype=torch.bfloat16, seed=30) * 0.1 + 1.0
+
+    def chain() -> torch.Tensor:
+        h = h0
+        for _ in range(4):
+            qkv = gemv.gemv(h, ws[0], norm_weight=nw, eps=EPS)
+            h = gemv.gemv(qkv, ws[1], residual=h)
+            act = gemv.gemv(h, ws[2], norm_weight=nw, eps=EPS, silu=True)
+            h = gemv.gemv(act, ws[3], residual=h)
+        return h
+
+    with mock.patch.object(gemv, "_pdl_on", lambda index: False):
+        serial = chain()
+    with mock.patch.object(gemv, "_pdl_on", lambda index: True):
+        eager = chain()
+        graph = torch.cuda.CUDAGraph()
+        chain()  # compiled outside the capture
+        with torch.cuda.graph(graph):
+            captured = chain()
+        graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(serial, eager)
+    assert torch.equal(serial, captured)
