@@ -12,6 +12,8 @@ each product carries its neighbours:
   which writes silu(gate) * up, so the SwiGLU kernel disappears;
 - `residual`: the residual row is added in the epilogue (o_proj, down_proj),
   so the residual-add kernels disappear;
+- `rope`: rows d and d + D/2 of a q/k/v head are read by the same program,
+  which rotates them (RoPE), so the RoPE kernel disappears;
 - `bias`: q/k/v biases (Qwen2).
 
 The rounding is that of the unfused ops (`models/ops.py`, `gpu/fused.py`):
@@ -61,12 +63,12 @@ MIN_BLOCK_K = 16  # rows must be a multiple of this (every model here: 576, 960,
 # of `python -m strata.bench.gemv_sweep` on an H200 (docs/GPU.md); N counts gate rows only for
 # gate/up. Other shapes take the rule in `config`.
 CONFIGS: dict[tuple[int, int], tuple[int, int, int, int]] = {
-    (6144, 4096): (4, 1024, 8, 1),  # q/k/v
-    (4096, 4096): (1, 1024, 8, 1),  # o_proj
-    (14336, 4096): (1, 1024, 8, 1),  # gate/up
-    (4096, 14336): (1, 512, 8, 1),  # down_proj
-    (49152, 4096): (1, 1024, 8, 1),  # output head (SmolLM2's vocabulary)
-    (128256, 4096): (1, 1024, 8, 1),  # output head (Llama 3's vocabulary)
+    (6144, 4096): (4, 1024, 4, 1),  # q/k/v (with RoPE: 2 rows and their 2 partners)
+    (4096, 4096): (2, 1024, 4, 1),  # o_proj
+    (14336, 4096): (2, 1024, 4, 1),  # gate/up
+    (4096, 14336): (2, 1024, 4, 1),  # down_proj
+    (49152, 4096): (1, 1024, 4, 1),  # output head (SmolLM2's vocabulary)
+    (128256, 4096): (1, 1024, 4, 1),  # output head (Llama 3's vocabulary)
 }
 
 
@@ -89,7 +91,7 @@ def config(n: int, k: int) -> tuple[int, int, int, int]:
     bk = 1024  # the widest tile that divides the row, and about 1,024 weights a tile
     while bk > MIN_BLOCK_K and k % bk:
         bk //= 2
-    return max(1, 1024 // bk), bk, 8 if bk >= 1024 else 4, 1
+    return max(1, 2048 // bk), bk, 4, 1
 
 
 @triton.jit
@@ -104,12 +106,22 @@ def _input_tile(x, nw, inv, c, dt: tl.constexpr, NORM: tl.constexpr):
 
 @triton.jit
 def _gemv_kernel(
-    x, w, out, res, bias, nw, eps, N, K: tl.constexpr, GATE_OFF,
+    x, w, out, res, bias, nw, cos, sin, eps, N, K: tl.constexpr, PAIR_OFF,
     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, NORM: tl.constexpr, NORM_BLOCK: tl.constexpr,
-    SILU: tl.constexpr, RESIDUAL: tl.constexpr, BIAS: tl.constexpr, PDL: tl.constexpr,
+    SILU: tl.constexpr, ROPE: tl.constexpr, HEAD_D: tl.constexpr, ROT_HEADS,
+    RESIDUAL: tl.constexpr, BIAS: tl.constexpr, PDL: tl.constexpr,
 ):
+    """SILU: rows r (gate) and r + N (up) in one program. ROPE: rows d and d + HEAD_D / 2 of a
+    head in one program (PAIR_OFF is the second row set's offset in weights)."""
     pid = tl.program_id(0)
-    rows = pid * BLOCK_N + tl.arange(0, BLOCK_N)
+    if ROPE:  # BLOCK_N rows of the first half of a head, and their partners
+        half: tl.constexpr = HEAD_D // 2
+        per_head: tl.constexpr = half // BLOCK_N
+        head = pid // per_head
+        rows = head * HEAD_D + (pid % per_head) * BLOCK_N + tl.arange(0, BLOCK_N)
+    else:
+        rows = pid * BLOCK_N + tl.arange(0, BLOCK_N)
+    PAIR: tl.constexpr = SILU or ROPE
     row_ok = rows < N
     rows_c = tl.where(row_ok, rows, 0).to(tl.int64)  # in-bounds reads for the tail rows
     cols = tl.arange(0, BLOCK_K)
@@ -120,8 +132,8 @@ def _gemv_kernel(
     if PDL:
         _allow_dependents()
     w0 = tl.load(w_rows + cols[None, :])
-    if SILU:
-        u0 = tl.load(w_rows + GATE_OFF + cols[None, :])
+    if PAIR:
+        u0 = tl.load(w_rows + PAIR_OFF + cols[None, :])
     if PDL:
         _wait_for_inputs()  # x, the residual and `out` belong to the kernels before
     if NORM:  # 1 / rms of the input row, as fused._rms_kernel computes it
@@ -131,21 +143,36 @@ def _gemv_kernel(
         inv = tl.math.div_rn(tl.full([], 1.0, tl.float32), tl.sqrt_rn(mean + eps))
     xv = _input_tile(x, nw, inv if NORM else eps, cols, dt, NORM)
     acc = w0.to(tl.float32) * xv[None, :]
-    if SILU:
-        acc_up = u0.to(tl.float32) * xv[None, :]
+    if PAIR:
+        acc2 = u0.to(tl.float32) * xv[None, :]
     for k0 in range(BLOCK_K, K, BLOCK_K):
         c = k0 + cols
         xv = _input_tile(x, nw, inv if NORM else eps, c, dt, NORM)
         acc += tl.load(w_rows + c[None, :]).to(tl.float32) * xv[None, :]
-        if SILU:
-            acc_up += tl.load(w_rows + GATE_OFF + c[None, :]).to(tl.float32) * xv[None, :]
+        if PAIR:
+            acc2 += tl.load(w_rows + PAIR_OFF + c[None, :]).to(tl.float32) * xv[None, :]
     y = tl.sum(acc, 1)
     if BIAS:
         y += tl.load(bias + rows_c).to(tl.float32)
     y = y.to(dt).to(tl.float32)
+    if PAIR:
+        y2 = tl.sum(acc2, 1)
+        if BIAS and ROPE:
+            y2 += tl.load(bias + rows_c + half).to(tl.float32)
+        y2 = y2.to(dt).to(tl.float32)
     if SILU:
-        up = tl.sum(acc_up, 1).to(dt).to(tl.float32)
-        y = tl.math.div_rn(y, 1.0 + _exp(-y)).to(dt).to(tl.float32) * up
+        y = tl.math.div_rn(y, 1.0 + _exp(-y)).to(dt).to(tl.float32) * y2
+    if ROPE:  # q and k heads: x * cos + roll(x, D/2) * sin, each product rounded (fused.rope_qkv)
+        d = rows_c % HEAD_D
+        lo_c = tl.load(cos + d).to(tl.float32)
+        lo_s = tl.load(sin + d).to(tl.float32)
+        hi_c = tl.load(cos + d + half).to(tl.float32)
+        hi_s = tl.load(sin + d + half).to(tl.float32)
+        rot = head < ROT_HEADS
+        lo = (y * lo_c).to(dt).to(tl.float32) + (y2 * lo_s).to(dt).to(tl.float32)
+        hi = (y2 * hi_c).to(dt).to(tl.float32) + (y * hi_s).to(dt).to(tl.float32)
+        y = tl.where(rot, lo, y)
+        tl.store(out + rows + half, tl.where(rot, hi, y2).to(out.dtype.element_ty), mask=row_ok)
     if RESIDUAL:
         y = tl.load(res + rows_c).to(tl.float32) + y
     tl.store(out + rows, y.to(out.dtype.element_ty), mask=row_ok)
@@ -185,6 +212,7 @@ def gemv(
     norm_weight: torch.Tensor | None = None,
     eps: float = 0.0,
     silu: bool = False,
+    rope: tuple[torch.Tensor, torch.Tensor, int, int] | None = None,
     residual: torch.Tensor | None = None,
     out_dtype: torch.dtype | None = None,
 ) -> torch.Tensor:
@@ -192,6 +220,9 @@ def gemv(
 
     norm_weight: the input row is `rms_norm(x, norm_weight, eps)` first.
     silu: weight holds gate rows then up rows; the result is silu(gate) * up.
+    rope: (cos, sin, rotated heads, head_dim) for a fused q/k/v projection: the first
+        `rotated heads` heads of head_dim rows are rotated by the position's cos and sin
+        rows ([head_dim] each, `rope_tables`), the rest (v) are left as they are.
     residual: [1, N] added to the rounded product.
     out_dtype: store the (rounded) result in another dtype (float32 logits).
     """
@@ -211,12 +242,28 @@ def gemv(
     bn, bk, warps, stages = config(n, k)
     if k % bk:
         raise ValueError(f"BLOCK_K {bk} does not divide rows of {k}")
+    cos = sin = x
+    rot_heads = head_d = 0
+    pair_off = n * k if silu else 0
+    programs = triton.cdiv(n, bn)
+    if rope is not None:
+        cos, sin, rot_heads, head_d = rope
+        if silu or residual is not None or head_d % 2 or n % head_d or cos.numel() != head_d \
+                or sin.numel() != head_d or not (cos.is_contiguous() and sin.is_contiguous()):
+            raise ValueError(f"rope needs rows of whole heads of {head_d} and cos, sin of "
+                             f"{head_d} (got {cos.numel()}, {sin.numel()}), without silu or residual")
+        bn = max(1, bn // 2)  # a program reads bn rows and their bn partners
+        while (head_d // 2) % bn:
+            bn //= 2
+        pair_off = head_d // 2 * k
+        programs = n // (2 * bn)
     pdl = x.is_cuda and _pdl_on(x.device.index if x.device.index is not None else 0)
-    _gemv_kernel[(triton.cdiv(n, bn),)](
+    _gemv_kernel[(programs,)](
         x, weight, out, residual if residual is not None else x,
         bias if bias is not None else x, norm_weight if norm_weight is not None else x,
-        eps, n, K=k, GATE_OFF=n * k, BLOCK_N=bn, BLOCK_K=bk, NORM=norm_weight is not None,
-        NORM_BLOCK=triton.next_power_of_2(k), SILU=silu, RESIDUAL=residual is not None,
+        cos, sin, eps, n, K=k, PAIR_OFF=pair_off, BLOCK_N=bn, BLOCK_K=bk,
+        NORM=norm_weight is not None, NORM_BLOCK=triton.next_power_of_2(k), SILU=silu,
+        ROPE=rope is not None, HEAD_D=head_d, ROT_HEADS=rot_heads, RESIDUAL=residual is not None,
         BIAS=bias is not None, PDL=pdl, num_warps=warps, num_stages=stages,
         **({"launch_pdl": True} if pdl else {}),
     )

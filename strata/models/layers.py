@@ -82,12 +82,22 @@ class Attention(nn.Module):
         return self.o_proj.forward(out)
 
     def attend(
-        self, qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, ctx: AttentionContext
+        self, qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, ctx: AttentionContext,
+        roped: bool = False,
     ) -> torch.Tensor:
-        """The fused projection [T, width] -> attention output [T, q_size] (o_proj's input)."""
+        """The fused projection [T, width] -> attention output [T, q_size] (o_proj's input).
+
+        roped: q and k in qkv are rotated already (the one-row product did it); one row only.
+        """
         t = qkv.shape[0]
         hq = self.num_heads
-        if self.q_norm is not None and self.k_norm is not None:
+        if roped:
+            kv = self.num_kv_heads * self.head_dim
+            q, k, v = qkv.view(-1).split((self.q_size, kv, kv))  # one row: contiguous pieces
+            q = q.view(1, hq, self.head_dim)
+            k = k.view(1, self.num_kv_heads, self.head_dim)
+            v = v.view(1, self.num_kv_heads, self.head_dim)
+        elif self.q_norm is not None and self.k_norm is not None:
             qkv = qkv.view(t, -1, self.head_dim)
             qk = qkv[:, : self.qk_heads]
             qk = torch.cat((self.q_norm.forward(qk[:, :hq].contiguous()),
@@ -142,12 +152,16 @@ class DecoderLayer(nn.Module):
     def _forward_row(self, g: Any, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                      ctx: AttentionContext) -> torch.Tensor:
         """One CUDA row (a one-lane decode step): four matrix-vector products (`gpu/gemv.py`)
-        that carry both norms, the SwiGLU product and both residual adds."""
+        that carry both norms, RoPE, the SwiGLU product and both residual adds."""
         attn, mlp = self.self_attn, self.mlp
         pre, post = self.input_layernorm, self.post_attention_layernorm
+        # RoPE in the product's epilogue, unless q/k norms come between (Qwen3)
+        rope = None if attn.q_norm is not None else (cos.view(-1), sin.view(-1), attn.qk_heads,
+                                                     attn.head_dim)
         qkv = g.gemv(h, attn.qkv_proj.weight, attn.qkv_proj.bias, norm_weight=pre.weight,
-                     eps=pre.eps)
-        h = g.gemv(attn.attend(qkv, cos, sin, ctx), attn.o_proj.weight, residual=h)
+                     eps=pre.eps, rope=rope)
+        out = attn.attend(qkv, cos, sin, ctx, roped=rope is not None)
+        h = g.gemv(out, attn.o_proj.weight, residual=h)
         act = g.gemv(h, mlp.gate_up_proj.weight, norm_weight=post.weight, eps=post.eps, silu=True)
         return g.gemv(act, mlp.down_proj.weight, residual=h)
 

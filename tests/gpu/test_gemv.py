@@ -96,6 +96,37 @@ def test_norm_and_silu(dtype: torch.dtype) -> None:
     assert_close(out, *reference(x, w, norm_weight=nw, silu=True))
 
 
+@pytest.mark.parametrize("heads", [(9, 3, 64), (32, 8, 128)], ids=["small", "8b"])
+@pytest.mark.parametrize("dtype", DTYPES, ids=["bf16", "fp16", "fp32"])
+def test_rope_epilogue_equals_the_rope_kernel_on_the_product(
+        heads: tuple[int, int, int], dtype: torch.dtype, monkeypatch: pytest.MonkeyPatch) -> None:
+    """q/k/v with RoPE in the epilogue: the same bits (within the usual rounding rule) as the
+    product at the same tiling (2 rows a program) followed by `ops.rope_qkv`; v untouched."""
+    from strata.models.rope import rope_tables
+
+    hq, hkv, d = heads
+    if INTERPRET and d == 128:
+        pytest.skip("the 8B shape is slow under the interpreter")
+    k = 576 if d == 64 else 4096
+    n = (hq + 2 * hkv) * d
+    x, w = inputs(n, k, dtype, seed=13)
+    nw = randn(k, dtype=dtype, seed=14) * 0.2 + 1.0
+    bias = randn(n, dtype=dtype, seed=15, scale=0.5)
+    inv = 1.0 / (10000.0 ** (torch.arange(0, d, 2).float() / d))
+    cos_t, sin_t = rope_tables(inv, 600, dtype, torch.device(DEV))
+    cos, sin = cos_t[517].contiguous(), sin_t[517].contiguous()
+    monkeypatch.setenv("STRATA_GEMV_CONFIG", "2,64,4,1")
+    plain = gemv.gemv(x, w, bias, norm_weight=nw, eps=EPS)
+    monkeypatch.setenv("STRATA_GEMV_CONFIG", "4,64,4,1")  # rope: 2 rows and their 2 partners
+    roped = gemv.gemv(x, w, bias, norm_weight=nw, eps=EPS, rope=(cos, sin, hq + hkv, d))
+    q, kk, v = torch_branch("rope_qkv", plain, cos.view(1, 1, d), sin.view(1, 1, d), hq, hkv, d)
+    ref = torch.cat([q.reshape(1, -1), kk.reshape(1, -1), v.reshape(1, -1)], dim=1)
+    assert torch.equal(roped[:, (hq + hkv) * d:], plain[:, (hq + hkv) * d:])  # v as it was
+    assert_close(roped, ref, torch.zeros(1, n, dtype=torch.float64, device=DEV))
+    with pytest.raises(ValueError, match="rope needs"):
+        gemv.gemv(x, w, rope=(cos[:10], sin, hq + hkv, d))
+
+
 @pytest.mark.parametrize("dtype", DTYPES, ids=["bf16", "fp16", "fp32"])
 def test_residual_epilogue(dtype: torch.dtype) -> None:
     x, w = inputs(576, 1536, dtype, seed=7)
