@@ -16,6 +16,7 @@ reports Strata / llama.cpp for each figure.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import gc
 import json
 import sys
@@ -146,6 +147,27 @@ def decode_run(engine: Engine, lanes: int, prompt_tokens: int, gen_tokens: int, 
     return {"lanes": lanes, "prompt_tokens": prompt_tokens, "gen_tokens": gen_tokens,
             "decode_tokens_per_s": sum(done) / dt, "per_lane_tokens_per_s": sum(done) / dt / lanes,
             "decode_seconds": dt, "prompts_seconds": t1 - t0}
+
+
+def long_context_runs(loaded: Any, base: EngineConfig, context: int, gen_tokens: int,
+                      formats: list[str]) -> list[dict]:
+    """One lane decoding after a `context`-token prompt, through the engine with CUDA-graph
+    decode, per KV format (the loaded model reused; a pool of one lane each)."""
+    rows = []
+    for fmt in formats:
+        cfg = dataclasses.replace(base, parallel=1, max_context=context + gen_tokens + 64,
+                                  kv_pool_tokens=None, kv=fmt, max_queued=4)
+        with Engine(cfg, loaded=loaded) as engine:
+            use_gpu_attention(engine)
+            decode_run(engine, 1, 512, 4, salt=7)  # compiles, captures the one-lane graph
+            row = decode_run(engine, 1, context, gen_tokens, salt=11)
+            row["kv"] = engine.pool.fmt.name
+            rows.append(row)
+            print(json.dumps(row), file=sys.stderr, flush=True)
+    if rows and rows[0]["kv"] == "bf16":
+        for r in rows:
+            r["time_vs_bf16"] = rows[0]["decode_tokens_per_s"] / r["decode_tokens_per_s"]
+    return rows
 
 
 def prompt_run(engine: Engine, prompt_tokens: int, salt: int) -> dict:
@@ -426,6 +448,13 @@ def _strata_stages(args: Any, cfg: EngineConfig, lanes: list[int], lengths: list
                 stage("batch_company", lambda: batch_company(engine, sizes, args.prompt_tokens, 32))
             for i in range(tables_before, len(tables)):
                 tables[i] = tables[i].replace("== decode step", "== decode step (CUDA graph)")
+    del engine  # its pool's memory back before the long-context pools
+    if args.long_context and cuda:
+        gc.collect()
+        torch.cuda.empty_cache()
+        stage("long_context_decode", lambda: long_context_runs(
+            loaded, cfg, args.long_context, args.gen_tokens,
+            [f for f in args.long_kv.split(",") if f]))
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -452,6 +481,10 @@ def main(argv: list[str] | None = None) -> int:
                    help="lane counts, e.g. 16,64: each request's greedy tokens alone vs among that many")
     p.add_argument("--pipeline", default="auto", choices=["auto", "on", "off"],
                    help="the engine's --pipeline (auto: on with CUDA-graph decode)")
+    p.add_argument("--long-context", type=int, default=0,
+                   help="also decode one lane after a prompt of this many tokens (e.g. 32768)")
+    p.add_argument("--long-kv", default="bf16,int8,k8v4",
+                   help="KV formats of the --long-context runs (bf16 first: the others' ratio)")
     p.add_argument("--out", default=None)
     p.add_argument("--profile-out", default=None)
     args = p.parse_args(argv)
