@@ -170,13 +170,19 @@ def long_context_runs(loaded: Any, base: EngineConfig, context: int, gen_tokens:
     return rows
 
 
-def prompt_run(engine: Engine, prompt_tokens: int, salt: int) -> dict:
-    """One lane reads a prompt and samples one token."""
+def prompt_run(engine: Engine, prompt_tokens: int, salt: int, reps: int = 5) -> dict:
+    """One lane reads a prompt and samples one token, `reps` times (distinct prompts, no prefix
+    reuse between them); the median time (llama-bench's pp figure is a mean over repetitions)."""
     vocab = engine.model_config.vocab_size
-    t0 = time.perf_counter()
-    engine.complete(_prompt(vocab, prompt_tokens, salt), SamplingParams(max_tokens=1, ignore_eos=True))
-    dt = time.perf_counter() - t0
-    return {"prompt_tokens": prompt_tokens, "prompt_tokens_per_s": prompt_tokens / dt, "seconds": dt}
+    times = []
+    for i in range(reps):
+        prompt = _prompt(vocab, prompt_tokens, salt + 7919 * i)
+        t0 = time.perf_counter()
+        engine.complete(prompt, SamplingParams(max_tokens=1, ignore_eos=True))
+        times.append(time.perf_counter() - t0)
+    dt = sorted(times)[len(times) // 2]
+    return {"prompt_tokens": prompt_tokens, "prompt_tokens_per_s": prompt_tokens / dt,
+            "seconds": dt, "seconds_each": times}
 
 
 def batch_company(engine: Engine, sizes: list[int], prompt_tokens: int, gen_tokens: int) -> dict:
