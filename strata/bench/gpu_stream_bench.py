@@ -1,7 +1,7 @@
 """Decode with streamed K/V (`--kv-resident`) on the GPU: overlap on, overlap off, fully resident (JSON).
 
     python -m strata.bench.gpu_stream_bench MODEL.gguf [--lanes 1,4] [--contexts 8192,32768]
-        [--resident 4096] [--warm 2] [--steps 8] [--kv auto] [--out result.json]
+        [--resident 4096] [--warm 2] [--steps 8] [--kv auto] [--modes ...] [--out result.json]
 
 Through `strata.engine.Engine` on one GGUF file (the 8B-shaped random file of
 `strata.bench.synth`): for each lane count and context, the lanes' first
@@ -9,15 +9,28 @@ Through `strata.engine.Engine` on one GGUF file (the 8B-shaped random file of
 long prompt is read: decode speed does not depend on the values), then
 `steps` decode steps of all lanes are timed through the engine's runner
 (the model's forward with its attention context, synchronized after each
-step), after `warm` untimed ones. Three pools:
+step), after `warm` untimed ones. Modes (`--modes`), over three pools:
 
-- `resident`: everything on the device (Triton kernels over the pool, eager);
-- `overlap`: `--kv-resident N`, misses copied on the copy stream while earlier
-  layers compute (kv/gpu_stream.py);
-- `no_overlap`: the same pool, each layer's misses copied, then waited for.
+- `resident`: everything on the device (Triton kernels over the pool), eager:
+  the same host launch cost as the streamed modes, so the fair comparison;
+- `resident_graphs`: the same pool through the engine's CUDA graphs (what a
+  resident engine really does; the streamed path has no graphs);
+- `overlap`: `--kv-resident N`, each layer's misses copied by one gather launch
+  (kv/triton/gather.py) on the copy stream while earlier layers compute;
+- `no_overlap`: the same pool and launches, each layer's misses copied, then
+  waited for (same host cost as `overlap`: only the device-side waits differ);
+- `overlap_copy`, `no_overlap_copy`: the same with the `copy_` fallback (one
+  `copy_` per run of blocks: the path before the gather kernel);
+- `all_resident`: a streamed pool whose cache holds every lane's context
+  (hit rate 1.0 after the warm-up steps): the streamed path's own overhead.
 
-Per row: ms per step, decode tokens/s, block hit rate, host -> device bytes per
-step, and the overlap's gain over no overlap.
+Per mode: ms per step (synchronized wall time), decode tokens/s, host ms (until
+the forward returned: launch time), tail ms (wall - host: the device's work
+left when the host was done; near 0 means host-bound), and for streamed pools
+the block hit rate, host -> device bytes per step and GB/s over the wall time,
+the copy stream's busy ms per step (CUDA events around each layer's copies)
+and GB/s over that. Per row: the overlap's gain over no overlap, and streamed
+over resident time.
 """
 
 from __future__ import annotations
@@ -33,8 +46,17 @@ import torch
 from strata.engine.config import EngineConfig
 from strata.engine.engine import Engine
 from strata.kv.attention import SeqSpec
+from strata.kv.gpu_stream import state_of
 from strata.kv.pool import KvPool
 from strata.kv.stream import StreamStore
+
+MODES = ("resident", "resident_graphs", "overlap", "no_overlap", "overlap_copy", "no_overlap_copy",
+         "all_resident")
+STREAMED = {  # mode -> (overlap, gather: None = the kernel where it runs, False = copy_)
+    "overlap": (True, None), "no_overlap": (False, None),
+    "overlap_copy": (True, False), "no_overlap_copy": (False, False),
+    "all_resident": (True, None),
+}
 
 TILE = 4096  # cells of random K/V repeated through the pool
 
@@ -65,12 +87,19 @@ def _sync(device: torch.device) -> None:
 
 
 def time_decode(engine: Engine, lanes: int, context: int, warm: int, steps: int) -> dict[str, Any]:
-    """Synchronized wall time of `steps` decode steps of `lanes` lanes from position `context`."""
+    """Synchronized wall time of `steps` decode steps of `lanes` lanes from position `context`,
+    with the host's share (until the forward returned) and the copy stream's busy time."""
     pool, runner = engine.pool, engine.runner
     store = pool.store if isinstance(pool.store, StreamStore) else None
+    state = state_of(store) if store is not None and engine.device.type == "cuda" else None
     dev = engine.device
     before: dict[str, Any] = {}
     elapsed: list[float] = []
+    host: list[float] = []
+    copy_ms: list[float] = []
+    if state is not None:
+        state.timing = True
+        state.copy_ms()
     for j in range(warm + steps):
         pos = context + j
         for i in range(lanes):
@@ -81,18 +110,34 @@ def time_decode(engine: Engine, lanes: int, context: int, warm: int, steps: int)
         _sync(dev)
         t0 = time.perf_counter()
         logits = runner.forward(seqs, [100 + i for i in range(lanes)], [True] * lanes)
+        t1 = time.perf_counter()
         logits.argmax(-1).tolist()  # as the engine's sampler: the step's result on the host
+        t2 = time.perf_counter()
+        copied = state.copy_ms() if state is not None else 0.0  # (the step's copies are done)
         if j >= warm:
-            elapsed.append(time.perf_counter() - t0)
-    ms = 1e3 * sum(elapsed) / len(elapsed)
+            elapsed.append(t2 - t0)
+            host.append(t1 - t0)
+            copy_ms.append(copied)
+    if state is not None:
+        state.timing = False
+    n = len(elapsed)
+    ms = 1e3 * sum(elapsed) / n
+    host_ms = 1e3 * sum(host) / n
     out: dict[str, Any] = {"ms_per_step": ms, "decode_tokens_per_s": lanes / ms * 1e3,
-                           "ms_per_step_min": 1e3 * min(elapsed), "ms_per_step_max": 1e3 * max(elapsed)}
+                           "ms_per_step_min": 1e3 * min(elapsed), "ms_per_step_max": 1e3 * max(elapsed),
+                           "host_ms_per_step": host_ms, "tail_ms_per_step": ms - host_ms}
     if store is not None:
         after = store.stats.as_dict()
         d = {k: after[k] - before[k] for k in ("lookups", "hits", "bytes_copied", "overflow_bytes")}
+        moved = (d["bytes_copied"] + d["overflow_bytes"]) / steps
         out.update(hit_rate=d["hits"] / d["lookups"] if d["lookups"] else 1.0,
-                   host_to_device_bytes_per_step=(d["bytes_copied"] + d["overflow_bytes"]) / steps,
-                   host_to_device_GBps=(d["bytes_copied"] + d["overflow_bytes"]) / steps / ms / 1e6)
+                   host_to_device_bytes_per_step=moved,
+                   host_to_device_GBps=moved / ms / 1e6,
+                   gather=bool(state.use_gather()) if state is not None else False)
+        if state is not None:
+            cms = sum(copy_ms) / n
+            out.update(copy_stream_ms_per_step=cms,
+                       copy_stream_GBps=moved / cms / 1e6 if cms > 0 else None)
     return out
 
 
@@ -107,12 +152,17 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--kv-chunk", type=int, default=4096)
     p.add_argument("--warm", type=int, default=2)
     p.add_argument("--steps", type=int, default=8)
-    p.add_argument("--modes", default="resident,overlap,no_overlap")
+    p.add_argument("--modes", default=",".join(MODES), help=f"some of {','.join(MODES)}")
+    p.add_argument("--gather-programs", type=int, default=0,
+                   help="programs of a gather launch (0: STRATA_GATHER_PROGRAMS or the SM count)")
     p.add_argument("--out", default=None)
     args = p.parse_args(argv)
     lanes = [int(x) for x in args.lanes.split(",") if x]
     contexts = [int(x) for x in args.contexts.split(",") if x]
     modes = [m for m in args.modes.split(",") if m]
+    bad = [m for m in modes if m not in MODES]
+    if bad:
+        p.error(f"unknown modes {bad}: pick from {MODES}")
     from strata.bench.gpu_bench import attach_tokenizer
     from strata.models import load_model
 
@@ -133,33 +183,41 @@ def main(argv: list[str] | None = None) -> int:
         out["device_name"] = torch.cuda.get_device_name(0)
     max_context = max(contexts) + args.warm + args.steps + 16
     results: dict[tuple[int, int], dict[str, Any]] = {}
-    groups = [("resident", ["resident"])] if "resident" in modes else []
-    streamed = [m for m in modes if m != "resident"]
-    if streamed:
-        groups.append(("streamed", streamed))
+    # a cache holding every lane's whole context (rounded up to whole chunks)
+    all_cells = max(lanes) * -(-max_context // args.kv_chunk) * args.kv_chunk
+    groups = [(kind, [m for m in group if m in modes]) for kind, group in (
+        ("resident", ["resident", "resident_graphs"]),
+        ("streamed", ["overlap", "no_overlap", "overlap_copy", "no_overlap_copy"]),
+        ("all_resident", ["all_resident"]))]
     for kind, group in groups:
+        if not group:
+            continue
+        resident = {"resident": None, "streamed": args.resident, "all_resident": all_cells}[kind]
         cfg = EngineConfig(model=args.model, device=args.device, parallel=max(lanes),
                            max_context=max_context, kv_chunk=args.kv_chunk, kv=args.kv,
-                           kv_resident=args.resident if kind == "streamed" else None,
-                           max_queued=4, pipeline="off")
+                           kv_resident=resident, max_queued=4, pipeline="off")
         t0 = time.perf_counter()
         with Engine(cfg, loaded=loaded) as engine:
-            engine.runner.graphs = None  # eager in all three: the streamed path has no graphs
+            graphs = engine.runner.graphs  # the streamed path has none
             out[f"{kind}_setup_seconds"] = time.perf_counter() - t0
             out[f"{kind}_attention"] = engine.runner.context.__name__
             out["kv_format"] = engine.pool.fmt.name
             t0 = time.perf_counter()
             fill(engine.pool)
             out[f"{kind}_fill_seconds"] = time.perf_counter() - t0
-            if isinstance(engine.pool.store, StreamStore):
-                f = engine.pool.store.figures()
-                out["streamed_pool"] = {k: f[k] for k in ("resident_cells", "block_cells",
-                                                          "host_bytes", "pinned_bytes")}
+            store = engine.pool.store if isinstance(engine.pool.store, StreamStore) else None
+            if store is not None:
+                f = store.figures()
+                out[f"{kind}_pool"] = {k: f[k] for k in ("resident_cells", "block_cells",
+                                                         "host_bytes", "pinned_bytes")}
+                if args.gather_programs:
+                    state_of(store).programs = args.gather_programs
             for n in lanes:
                 for c in contexts:
                     for mode in group:
-                        if isinstance(engine.pool.store, StreamStore):
-                            engine.pool.store.overlap = mode == "overlap"
+                        engine.runner.graphs = graphs if mode == "resident_graphs" else None
+                        if store is not None:
+                            store.overlap, store.gather = STREAMED[mode]
                         for i in range(n):  # every mode starts from the same positions
                             engine.pool.release(i)
                         t0 = time.perf_counter()
@@ -173,17 +231,25 @@ def main(argv: list[str] | None = None) -> int:
                               file=sys.stderr, flush=True)
                         out["rows"] = list(results.values())
                         save()
-            if isinstance(engine.pool.store, StreamStore):
-                out["streamed_figures"] = engine.pool.store.figures()
+            engine.runner.graphs = graphs
+            if store is not None:
+                out[f"{kind}_figures"] = store.figures()
         if torch.cuda.is_available():
             torch.cuda.empty_cache()
     for row in results.values():
-        on, off, res = (row.get(m, {}).get("ms_per_step") for m in ("overlap", "no_overlap", "resident"))
-        if on and off:
-            row["overlap_speedup"] = off / on
-            row["overlap_saves_ms_per_step"] = off - on
-        if on and res:
-            row["overlap_over_resident_time"] = on / res
+        ms = {m: row[m]["ms_per_step"] for m in MODES if row.get(m, {}).get("ms_per_step")}
+        for on, off, key in (("overlap", "no_overlap", ""), ("overlap_copy", "no_overlap_copy", "_copy")):
+            if on in ms and off in ms:
+                row[f"overlap_speedup{key}"] = ms[off] / ms[on]
+                row[f"overlap_saves_ms_per_step{key}"] = ms[off] - ms[on]
+        for m in ("overlap", "no_overlap"):
+            if m in ms and f"{m}_copy" in ms:
+                row[f"gather_speedup_{m}"] = ms[f"{m}_copy"] / ms[m]
+        for base in ("resident", "resident_graphs"):
+            if base in ms:
+                for m in ("overlap", "overlap_copy", "all_resident"):
+                    if m in ms:
+                        row[f"{m}_over_{base}_time"] = ms[m] / ms[base]
     out["rows"] = list(results.values())
     out["seconds"] = time.perf_counter() - t_start
     save()

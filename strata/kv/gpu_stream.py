@@ -16,8 +16,10 @@ One step (`GpuStreamAttention`):
    tables, write cells and kernel metadata, uploaded in one copy;
 2. the misses of layer L (admitted blocks into their slots, overflow blocks
    into a scratch region) are copied straight from the pinned host store on
-   a copy stream, one `copy_` per run of consecutive blocks, with one event
-   per layer; the compute stream waits on layer L's event only right before
+   a copy stream, by ONE gather launch per layer that reads the pinned store
+   in place (kv/triton/gather.py; its (source, destination) block pairs came
+   with the step's metadata), or, as the fallback, one `copy_` per run of
+   consecutive blocks; one event per layer; the compute stream waits on layer L's event only right before
    layer L's write. With `store.overlap` the copies of layer L are enqueued
    `prefetch` layers ahead (scratch is a ring of `prefetch` regions), so they
    run while earlier layers compute; without it each layer copies, then waits;
@@ -27,12 +29,15 @@ One step (`GpuStreamAttention`):
    host at the next step's start or at `store.settle()`.
 
 Without CUDA (tests, Triton's interpreter) the same code runs with every
-copy done at once and no streams.
+copy done at once and no streams (`copy_`, or the gather kernel under the
+interpreter when `store.gather` is True).
 """
 
 from __future__ import annotations
 
+import warnings
 from dataclasses import dataclass, field
+from functools import cached_property
 
 import numpy as np
 import torch
@@ -45,6 +50,7 @@ from strata.kv.stream import StreamStore
 try:  # the CPU path must not need Triton
     from strata.kv.gpu_attention import _sms
     from strata.kv.triton.decode import DecodeBatch, decode_attention
+    from strata.kv.triton.gather import MAX_RUNS, block_words, default_programs, gather_blocks
     from strata.kv.triton.layout import halves, supported
     from strata.kv.triton.prefill import PrefillBatch, prefill_attention, query_blocks
     from strata.kv.triton.write import write_plain, write_quantized
@@ -88,10 +94,15 @@ class StepPlan:
     tables: torch.Tensor  # [layers, S, max_blocks] area block of each sequence block
     write_rows: torch.Tensor  # [layers, T] area row of each new token
     cells: torch.Tensor  # [T] pool cells of the new tokens
-    runs: list[list[Run]]  # per layer: host -> area copies
+    pairs: list[np.ndarray]  # per layer: [n, 2] (host block, area block) copies, by host block
     overflow: list[int]  # per layer: blocks read from scratch
     ring: int
     region_blocks: int
+
+    @cached_property
+    def runs(self) -> list[list[Run]]:
+        """Per layer: the copies as runs of consecutive blocks (the `copy_` path's)."""
+        return [coalesce(p[:, 0], p[:, 1]) for p in self.pairs]
 
 
 @dataclass
@@ -124,6 +135,55 @@ class StreamState:
         self.stage_dev: Storage | None = None  # [layers * T] new K/V, written on the compute stream
         self.stage_host: Storage | None = None  # its pinned copy
         self.behind: _Behind | None = None
+        # the gather path: the step's pairs upload (the copy stream waits for it), programs of
+        # a launch, word views of the host store per layer and of the area
+        self.meta_ready: torch.cuda.Event | None = None
+        self.programs = 0
+        self._host_words: dict[int, list[torch.Tensor]] = {}
+        self._area_words: tuple[tuple[int, ...], list[torch.Tensor]] | None = None
+        self._gather_ok: bool | None = None
+        # copy-stream timing (benchmarks): (start, end) events of each layer's copies
+        self.timing = False
+        self.spans: list[tuple[torch.cuda.Event, torch.cuda.Event]] = []
+
+    # ---- the gather path ---------------------------------------------------------
+    def use_gather(self) -> bool:
+        """Whether this step copies by the gather kernel (`store.gather`, see kv/stream.py).
+
+        None picks it on CUDA where it can run: Triton present, the host store
+        pinned (zero-copy reads need page-locked memory) and contiguous, at most
+        MAX_RUNS runs per cell. True also runs it on the CPU (Triton's interpreter).
+        """
+        want = self.store.gather
+        if want is False or not HAVE_TRITON:
+            return False
+        if want is None and not self.cuda:
+            return False
+        if self._gather_ok is None:
+            st = self.store
+            ts = [t for layer in st.host for t in layer.values()]
+            ok = len(st.host[0]) <= MAX_RUNS and all(t.is_contiguous() for t in ts)
+            if self.cuda:
+                ok = ok and all(t.is_pinned() for t in ts)
+            self._gather_ok = ok
+        return self._gather_ok
+
+    def _words(self, layer: int) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        """(host views, area views) of whole blocks in words, per run of the format."""
+        st = self.store
+        host = self._host_words.get(layer)
+        if host is None:
+            host = self._host_words[layer] = [block_words(t, st.block) for t in st.host[layer].values()]
+        key = tuple(t.data_ptr() for t in st.area.values())
+        if self._area_words is None or self._area_words[0] != key:
+            self._area_words = (key, [block_words(t, st.block) for t in st.area.values()])
+        return host, self._area_words[1]
+
+    def _gather(self, layer: int, pairs: torch.Tensor) -> None:
+        if not self.programs:
+            self.programs = default_programs(self.device)
+        srcs, dsts = self._words(layer)
+        gather_blocks(pairs, srcs, dsts, self.programs)
 
     # ---- scratch --------------------------------------------------------------
     def layout(self, ring: int, overflow: int) -> None:
@@ -151,23 +211,30 @@ class StreamState:
         return st.scratch0 // st.block + (layer % self.ring) * self.region_blocks
 
     # ---- copies ----------------------------------------------------------------
-    def enqueue(self, layer: int, runs: list[Run], overlap: bool) -> None:
-        """Copy layer `layer`'s runs host -> area on the copy stream; `copied[layer]` marks the end.
+    def enqueue(self, layer: int, runs: list[Run], overlap: bool,
+                pairs: torch.Tensor | None = None) -> None:
+        """Copy layer `layer`'s misses host -> area on the copy stream; `copied[layer]` marks the end.
 
-        The copy stream first waits for whatever still reads the rows it
+        `pairs` ([n, 2] (host block, area block) on the device, from the step's
+        upload): one gather launch; else one `copy_` per run of `runs`. The
+        copy stream first waits for whatever still reads the rows it
         overwrites: with overlap, the last attention of this layer (its slots)
         and the last attention over its scratch region; without, everything
-        the compute stream has been given so far.
+        the compute stream has been given so far. A gather also waits for the
+        step's metadata upload (`meta_ready`), which holds its pairs.
         """
         st = self.store
         b = st.block
         host, area = st.host[layer], st.area
         if not self.cuda:
+            if pairs is not None:
+                self._gather(layer, pairs)
+                return
             for src, dst, n in runs:
                 for name, t in area.items():
                     t[dst * b : (dst + n) * b].copy_(host[name][src * b : (src + n) * b])
             return
-        if not runs:
+        if (pairs is None and not runs) or (pairs is not None and pairs.shape[0] == 0):
             self.copied[layer] = None
             return
         assert self.copy_stream is not None
@@ -179,13 +246,28 @@ class StreamState:
                         self.copy_stream.wait_event(ev)
             else:
                 self.copy_stream.wait_stream(main)
-            for src, dst, n in runs:
-                for name, t in area.items():
-                    t[dst * b : (dst + n) * b].copy_(host[name][src * b : (src + n) * b],
-                                                     non_blocking=True)
-            ev = torch.cuda.Event()
+            if self.timing:
+                start = torch.cuda.Event(enable_timing=True)
+                start.record(self.copy_stream)
+            if pairs is not None:
+                if overlap and self.meta_ready is not None:
+                    self.copy_stream.wait_event(self.meta_ready)
+                self._gather(layer, pairs)
+            else:
+                for src, dst, n in runs:
+                    for name, t in area.items():
+                        t[dst * b : (dst + n) * b].copy_(host[name][src * b : (src + n) * b],
+                                                         non_blocking=True)
+            ev = torch.cuda.Event(enable_timing=self.timing)
             ev.record(self.copy_stream)
+            if self.timing:
+                self.spans.append((start, ev))
         self.copied[layer] = self.last_copy = ev
+
+    def copy_ms(self) -> float:
+        """Copy-stream busy time (ms) of the copies since the last call (`timing`; waits for them)."""
+        spans, self.spans = self.spans, []
+        return sum(a.elapsed_time(e) for a, e in spans) if spans else 0.0
 
     def before_layer(self, layer: int) -> None:
         """The compute stream waits for layer `layer`'s copies (right before its write)."""
@@ -301,18 +383,19 @@ def plan_step(store: StreamStore, seqs: list[SeqSpec], ring: int) -> StepPlan:
     write_rows = tables[:, tok_seq, tok_pos // B] * B + tok_pos % B  # [layers, T]
     # copies: admitted blocks into their slots, overflow blocks into the layer's region
     need_np = need.numpy()
-    runs, overflow = [], []
+    pairs, overflow = [], []
     cell_bytes = store.fmt.cell_bytes()
     for layer, (_, admit, slots) in enumerate(plans):
         o = over[layer].numpy()
         src = np.concatenate([admit.numpy(), need_np[o]])
         dst = np.concatenate([layer * store.slots + slots.numpy(),
                               int(base[layer]) + np.arange(int(o.sum()))])
-        runs.append(coalesce(src, dst))
+        order = np.argsort(src, kind="stable")
+        pairs.append(np.stack([src[order], dst[order]], 1).astype(np.int64))
         overflow.append(int(o.sum()))
     store.stats.overflow_bytes += sum(overflow) * B * cell_bytes
     assert t == cells.numel()
-    return StepPlan(need, tables, write_rows, cells, runs, overflow, ring, state.region_blocks)
+    return StepPlan(need, tables, write_rows, cells, pairs, overflow, ring, state.region_blocks)
 
 
 class GpuStreamAttention:
@@ -355,21 +438,51 @@ class GpuStreamAttention:
             torch.tensor(blk_seq, dtype=torch.int64), torch.tensor(blk_m0, dtype=torch.int64),
             seq_ix[pre], starts[pre], ns[pre], rows[pre],
         ]
+        self.gather = state.use_gather()
+        if self.gather:  # every layer's (host block, area block) copies, in the same upload
+            parts.append(torch.from_numpy(np.concatenate(plan.pairs).reshape(-1)))
         packed = torch.cat(parts)
         if state.cuda:
             packed = packed.pin_memory().to(store.device, non_blocking=True)
+            if self.gather:  # the copy stream reads the pairs: it waits for the upload, and
+                # the allocator keeps the buffer until the copy stream is done with it
+                state.meta_ready = torch.cuda.Event()
+                state.meta_ready.record(torch.cuda.current_stream(store.device))
+                assert state.copy_stream is not None
+                packed.record_stream(state.copy_stream)
         views = packed.split([p.numel() for p in parts])
         self.tables = views[0].view(plan.tables.shape)
         self.write_rows = views[1].view(plan.write_rows.shape)
         self.stage_rows = views[2].view(self.layers, t)
         self.decode = DecodeBatch(views[3], views[4], views[5],
                                   int(starts[dec].max()) + 1 if bool(dec.any()) else 0)
-        self.prefill = PrefillBatch(*views[6:])
+        self.prefill = PrefillBatch(*views[6:12])
+        self.pairs: list[torch.Tensor] = []
+        if self.gather:
+            self.pairs = list(views[12].view(-1, 2).split([len(p) for p in plan.pairs]))
         self.halves = halves(self.fmt, store.area)
         self.stage_halves = halves(self.fmt, self.stage)
         if self.overlap:
             for layer in range(ring):
-                state.enqueue(layer, plan.runs[layer], True)
+                self._enqueue(layer)
+
+    def _enqueue(self, layer: int) -> None:
+        """Layer `layer`'s copies: its pairs to the gather kernel, or its runs to `copy_`.
+
+        A gather that cannot launch (a launcher refusing the host pointers, say)
+        raises before it enqueues anything: then this store copies with `copy_`
+        from here on, with a warning (`use_gather()` says which path runs).
+        """
+        if self.gather:
+            try:
+                self.state.enqueue(layer, [], self.overlap, self.pairs[layer])
+                return
+            except Exception as e:  # noqa: BLE001 - the fallback is exact too
+                warnings.warn(f"streamed K/V: the gather kernel failed ({type(e).__name__}: {e}); "
+                              "copying with copy_ instead", RuntimeWarning, stacklevel=2)
+                self.state._gather_ok = False
+                self.gather = False
+        self.state.enqueue(layer, self.plan.runs[layer], self.overlap)
 
     def _write(self, kh, vh, rows: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         if self.plain:
@@ -381,7 +494,7 @@ class GpuStreamAttention:
         """Store k, v [T, Hkv, D]; causal attention of q [T, Hq, D] over the cache -> [T, Hq, D]."""
         state, plan = self.state, self.plan
         if not self.overlap:
-            state.enqueue(layer, plan.runs[layer], False)
+            self._enqueue(layer)
         state.before_layer(layer)
         kh, vh = self.halves
         self._write(kh, vh, self.write_rows[layer], k, v)
@@ -402,7 +515,7 @@ class GpuStreamAttention:
         state.after_layer(layer)
         nxt = layer + plan.ring
         if self.overlap and nxt < self.layers:
-            state.enqueue(nxt, plan.runs[nxt], True)
+            self._enqueue(nxt)
         if layer == self.layers - 1:
             state.send_behind()
         return out

@@ -25,7 +25,8 @@ CPU buffer and the same code runs.
 On CUDA the engine does not use `read`/`write` but the Triton kernels over the
 cache (`strata.kv.gpu_stream`, docs/GPU_STREAMING.md): it resolves every
 layer's residency at the start of a step (`plan_layers`), copies misses on a
-side stream ahead of the layers that read them (`overlap`), and writes new
+side stream ahead of the layers that read them (`overlap`), one gather launch
+per layer reading the pinned store in place (`gather`), and writes new
 K/V behind, to the host store, without a host sync (`settle()` lands them
 before anyone reads the host store directly).
 """
@@ -44,10 +45,16 @@ from strata.kv.residency import BlockUsage, ResidencyConfig, choose_resident
 
 DEFAULT_BLOCK_CELLS = 64
 OVERLAP_ENV = "STRATA_STREAM_OVERLAP"  # "0": the CUDA path copies each layer's misses, then waits
+GATHER_ENV = "STRATA_STREAM_GATHER"  # "0": the CUDA path copies with one `copy_` per run of blocks
 
 
 def overlap_default() -> bool:
     return os.environ.get(OVERLAP_ENV, "1") != "0"
+
+
+def gather_default() -> bool | None:
+    """None (the CUDA path's choice: the gather kernel where it can run), or False from the env."""
+    return None if os.environ.get(GATHER_ENV, "1") != "0" else False
 
 
 @dataclass
@@ -142,6 +149,7 @@ class StreamStore:
         device: torch.device | str | None = None,
         residency: ResidencyConfig | None = None,
         overlap: bool | None = None,
+        gather: bool | None = None,
     ) -> None:
         # A block must not straddle two chunks, or one block would mix sessions.
         self.block = math.gcd(block_cells, pool.chunk_size)
@@ -172,8 +180,11 @@ class StreamStore:
         self._maps: tuple[torch.Tensor, torch.Tensor] = (torch.empty(0), torch.empty(0))
         # The CUDA path (kv/gpu_stream.py): copy layer L's misses while earlier layers compute
         # (False: copy, then wait, as `read` does); its per-store state (streams, events,
-        # write-behind) lives in `gpu`, made on first use.
+        # write-behind) lives in `gpu`, made on first use. `gather`: how it copies a layer's misses:
+        # one gather launch reading the pinned store in place (True), one `copy_` per run of blocks
+        # (False), or None: the gather kernel on CUDA where it can run (kv/triton/gather.py).
         self.overlap = overlap_default() if overlap is None else overlap
+        self.gather: bool | None = gather_default() if gather is None else gather
         self.gpu = None
 
     # ---- figures -------------------------------------------------------------
@@ -416,6 +427,7 @@ def streamed_pool(
     block_cells: int = DEFAULT_BLOCK_CELLS,
     residency: ResidencyConfig | None = None,
     overlap: bool | None = None,
+    gather: bool | None = None,
 ) -> KvPool:
     """A KvPool whose storage is the host store and whose cell I/O streams to `device`.
 
@@ -428,7 +440,7 @@ def streamed_pool(
     if dev.type != "cpu":
         pool.device = dev
         pool.tables_device = pool.tables.to(dev)
-    pool.store = StreamStore(pool, resident_cells, block_cells, dev, residency, overlap)
+    pool.store = StreamStore(pool, resident_cells, block_cells, dev, residency, overlap, gather)
     _settle_before_host_io(pool)
     return pool
 

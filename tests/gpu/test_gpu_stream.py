@@ -6,7 +6,9 @@ stream reading a slot before its copy landed, or the copy stream overwriting
 a slot or scratch region a layer still reads. The streamed kernels must give
 the bits of the same kernels over a resident pool, step after step, in bf16
 and k8v4, with overlap on and off; the slow variants stretch the copies or
-the compute with `torch.cuda._sleep` to widen every race window. Skips
+the compute with `torch.cuda._sleep` to widen every race window. Both copy
+paths run: the gather kernel (one launch per layer reading the pinned host
+store in place, kv/triton/gather.py) and the `copy_` fallback. Skips
 without CUDA.
 """
 
@@ -22,7 +24,7 @@ pytest.importorskip("triton")
 from strata.kv.attention import SeqSpec
 from strata.kv.formats import make_format
 from strata.kv.gpu_attention import GpuTableAttention
-from strata.kv.gpu_stream import GpuStreamAttention, StreamState, stream_context
+from strata.kv.gpu_stream import GpuStreamAttention, StreamState, state_of, stream_context
 from strata.kv.pool import KvPool
 from strata.kv.stream import StreamStore, streamed_pool
 
@@ -37,11 +39,20 @@ SLEEP = 2_000_000  # cycles, about a millisecond
 class SlowCopies(StreamState):
     """Every layer's copies start late: a compute stream that does not wait reads stale rows."""
 
-    def enqueue(self, layer: int, runs: list, overlap: bool) -> None:
-        if runs:
+    def enqueue(self, layer: int, runs: list, overlap: bool, pairs: torch.Tensor | None = None) -> None:
+        if runs or (pairs is not None and pairs.shape[0]):
             with torch.cuda.stream(self.copy_stream):
                 torch.cuda._sleep(SLEEP)
-        super().enqueue(layer, runs, overlap)
+        super().enqueue(layer, runs, overlap, pairs)
+
+
+class SlowUpload(GpuStreamAttention):
+    """The step's metadata (the gather's pairs among it) reaches the device late: a copy stream
+    that does not wait for the upload gathers with stale pairs."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        torch.cuda._sleep(4 * SLEEP)
+        super().__init__(*args, **kwargs)
 
 
 class SlowCompute(GpuStreamAttention):
@@ -52,18 +63,19 @@ class SlowCompute(GpuStreamAttention):
         return super().attend(layer, q, k, v)
 
 
-def _decode_many(fmt: str, overlap: bool, steps: int, slow: str = "") -> dict:
+def _decode_many(fmt: str, overlap: bool, steps: int, slow: str = "", gather: bool = True) -> dict:
     dev = torch.device("cuda")
     args = (make_format(fmt, HKV, D), LAYERS, LANES, MAX_CONTEXT, CHUNK, None)
     res = KvPool(*args, device=dev)
     st = streamed_pool(*args, device=dev, resident_cells=RESIDENT, block_cells=BLOCK,
-                       overlap=overlap)
+                       overlap=overlap, gather=None if gather else False)
     store = st.store
     assert isinstance(store, StreamStore)
     assert all(t.is_pinned() for layer in st.layers for t in layer.values())
     if slow == "copies":
         store.gpu = SlowCopies(store)
-    ctx_cls = SlowCompute if slow == "compute" else GpuStreamAttention
+    assert state_of(store).use_gather() is gather  # auto: the kernel on CUDA
+    ctx_cls = {"compute": SlowCompute, "upload": SlowUpload}.get(slow, GpuStreamAttention)
     gen = torch.Generator(device=dev).manual_seed(0)
     dt = torch.bfloat16
     schedule = [[SeqSpec(i, 0, n) for i, n in enumerate(PROMPTS)]]
@@ -83,8 +95,9 @@ def _decode_many(fmt: str, overlap: bool, steps: int, slow: str = "") -> dict:
             outs_a.append(a_ctx.attend(layer, q, k, v))
             outs_b.append(b_ctx.attend(layer, q, k, v))
         for layer, (x, y) in enumerate(zip(outs_a, outs_b)):
-            assert torch.equal(x, y), (fmt, overlap, slow, seqs[0], layer,
+            assert torch.equal(x, y), (fmt, overlap, slow, gather, seqs[0], layer,
                                        float((x.float() - y.float()).abs().max()))
+    assert state_of(store).use_gather() is gather  # (no fallback to copy_ on the way)
     store.settle()
     for layer in range(LAYERS):
         for name, x in res.layers[layer].items():
@@ -92,18 +105,48 @@ def _decode_many(fmt: str, overlap: bool, steps: int, slow: str = "") -> dict:
     return store.figures()
 
 
+@pytest.mark.parametrize("gather", [True, False], ids=["gather", "copy"])
 @pytest.mark.parametrize("overlap", [True, False], ids=["overlap", "no-overlap"])
 @pytest.mark.parametrize("fmt", ["bf16", "k8v4"])
-def test_streamed_decode_equals_resident_decode(fmt: str, overlap: bool) -> None:
-    f = _decode_many(fmt, overlap, steps=40)
-    print(f"\n{fmt} overlap={overlap}: {f}")
+def test_streamed_decode_equals_resident_decode(fmt: str, overlap: bool, gather: bool) -> None:
+    f = _decode_many(fmt, overlap, steps=40, gather=gather)
+    print(f"\n{fmt} overlap={overlap} gather={gather}: {f}")
     assert f["overflow_blocks"] > 0 and f["misses"] > 0 and f["hits"] > 0
 
 
-@pytest.mark.parametrize("slow", ["copies", "compute"])
+@pytest.mark.parametrize("gather", [True, False], ids=["gather", "copy"])
+@pytest.mark.parametrize("slow", ["copies", "compute", "upload"])
 @pytest.mark.parametrize("fmt", ["bf16", "k8v4"])
-def test_ordering_holds_when_one_stream_lags(fmt: str, slow: str) -> None:
-    _decode_many(fmt, True, steps=6, slow=slow)
+def test_ordering_holds_when_one_stream_lags(fmt: str, slow: str, gather: bool) -> None:
+    _decode_many(fmt, True, steps=6, slow=slow, gather=gather)
+
+
+@pytest.mark.parametrize("fmt", ["bf16", "k8v4", "int8", "q4_0"])
+def test_gather_reads_the_pinned_store_in_place(fmt: str) -> None:
+    """One gather launch on a side stream copies blocks of pinned host memory into device memory
+    bit for bit (the 8B shapes: 64-cell blocks, 8 KV heads of 128)."""
+    from strata.kv.triton.gather import block_words, default_programs, gather_blocks
+
+    f = make_format(fmt, HKV, D)
+    host = f.allocate(64 * BLOCK, "cpu", pin=True)
+    area = f.allocate(40 * BLOCK, "cuda")
+    gen = torch.Generator().manual_seed(1)
+    for t in host.values():
+        b = t.view(torch.uint8)
+        b.copy_(torch.randint(0, 256, b.shape, generator=gen, dtype=torch.uint8))
+    src = torch.randperm(64, generator=gen)[:30]
+    dst = torch.randperm(40, generator=gen)[:30]
+    pairs = torch.stack([src, dst], 1).cuda()
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        gather_blocks(pairs, [block_words(t, BLOCK) for t in host.values()],
+                      [block_words(t, BLOCK) for t in area.values()], default_programs(pairs.device))
+    side.synchronize()
+    for n, t in area.items():
+        got = t.view(-1, BLOCK, *t.shape[1:])[dst.cuda()].cpu()
+        want = host[n].view(-1, BLOCK, *t.shape[1:])[src]
+        assert torch.equal(got.view(torch.uint8), want.view(torch.uint8)), n
 
 
 def test_runner_picks_the_streamed_kernels_and_no_graphs() -> None:

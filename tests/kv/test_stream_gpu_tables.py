@@ -26,7 +26,7 @@ else:
 from strata.kv.attention import SeqSpec, TableAttention
 from strata.kv.formats import make_format
 from strata.kv.pool import KvPool
-from strata.kv.stream import OVERLAP_ENV, StreamStore, streamed_pool
+from strata.kv.stream import GATHER_ENV, OVERLAP_ENV, StreamStore, streamed_pool
 from strata.kv.gpu_stream import StreamState, _Behind, coalesce, plan_step, state_of, stream_context
 from tests.kv.test_stream import _one_thread  # noqa: F401 - autouse: one torch thread here too
 
@@ -60,6 +60,22 @@ def test_coalesce_runs() -> None:
     dst = np.array([1, 20, 21, 30, 2, 3])
     assert coalesce(src, dst) == [(3, 20, 2), (5, 30, 1), (7, 1, 1), (9, 2, 2)]
     assert coalesce(np.array([], dtype=np.int64), np.array([], dtype=np.int64)) == []
+
+
+def test_plan_pairs_are_the_runs_block_by_block() -> None:
+    """The gather kernel's (host block, area block) pairs and the `copy_` path's runs agree."""
+    pool = _streamed("bf16", pool_tokens=8 * CHUNK)
+    _fill(pool, {0: 70, 1: 90})
+    store = pool.store
+    assert isinstance(store, StreamStore)
+    plan = plan_step(store, [SeqSpec(0, 69, 1), SeqSpec(1, 89, 1)], 2)
+    for layer in range(LAYERS):
+        p = plan.pairs[layer]
+        assert p.dtype == np.int64 and p.shape[1] == 2
+        assert bool((np.diff(p[:, 0]) > 0).all())  # by host block, each once
+        expanded = [(s + i, d + i) for s, d, n in plan.runs[layer] for i in range(n)]
+        assert expanded == [tuple(x) for x in p.tolist()]
+        assert int((p[:, 1] >= store.scratch0 // store.block).sum()) == plan.overflow[layer] > 0
 
 
 @pytest.mark.parametrize("ring", [1, 2])
@@ -153,6 +169,13 @@ def test_overlap_switch_and_context_choice(monkeypatch: pytest.MonkeyPatch) -> N
     monkeypatch.setenv(OVERLAP_ENV, "1")
     assert _streamed().store.overlap is True
     assert _streamed(overlap=False).store.overlap is False
+    # the gather switch: auto (None) by default, off from the env; the CPU copies with copy_
+    # unless a test asks for the kernel (Triton's interpreter)
+    monkeypatch.setenv(GATHER_ENV, "0")
+    assert _streamed().store.gather is False
+    monkeypatch.delenv(GATHER_ENV)
+    pool = _streamed()
+    assert pool.store.gather is None and state_of(pool.store).use_gather() is False
     # the CPU keeps the reference path; a plain pool is no streamed pool
     assert stream_context(_streamed()) is TableAttention
     assert isinstance(state_of(_streamed().store), StreamState)
@@ -185,7 +208,7 @@ needs_kernels = pytest.mark.skipif(
 
 
 def _run_steps(fmt: str, overlap: bool, steps: int, device: str, resident: int = RESIDENT,
-               seed: int = 0) -> None:
+               seed: int = 0, gather: bool | None = None) -> None:
     """Prompts, then decode steps: streamed kernels == resident kernels bit for bit; the torch
     reference over a streamed pool close; host store == resident pool after settling."""
     from strata.kv.gpu_attention import GpuTableAttention
@@ -194,7 +217,7 @@ def _run_steps(fmt: str, overlap: bool, steps: int, device: str, resident: int =
     args = (make_format(fmt, HKV, D), LAYERS, SESSIONS, MAX_CONTEXT, CHUNK, 8 * CHUNK)
     res = KvPool(*args, device=device)
     st = streamed_pool(*args, device=device, resident_cells=resident, block_cells=BLOCK,
-                       overlap=overlap)
+                       overlap=overlap, gather=gather)
     ref = streamed_pool(*args, device=device, resident_cells=resident, block_cells=BLOCK)
     gen = torch.Generator().manual_seed(seed)
     dt = torch.bfloat16
@@ -222,6 +245,8 @@ def _run_steps(fmt: str, overlap: bool, steps: int, device: str, resident: int =
     store = st.store
     assert isinstance(store, StreamStore)
     assert store.stats.overflow_blocks > 0 and store.stats.hits > 0
+    if gather is not None:
+        assert state_of(store).use_gather() is gather
     store.settle()
     for layer in range(LAYERS):
         for name, x in res.layers[layer].items():
@@ -229,8 +254,58 @@ def _run_steps(fmt: str, overlap: bool, steps: int, device: str, resident: int =
 
 
 @needs_kernels
+@pytest.mark.parametrize("gather", [True, False], ids=["gather", "copy"])
 @pytest.mark.parametrize("overlap", [True, False], ids=["overlap", "no-overlap"])
 @pytest.mark.parametrize("fmt", ["bf16", "k8v4"])
-def test_streamed_kernels_equal_resident_kernels(fmt: str, overlap: bool) -> None:
-    _run_steps(fmt, overlap, steps=3, device=KERNEL_DEV)
+def test_streamed_kernels_equal_resident_kernels(fmt: str, overlap: bool, gather: bool) -> None:
+    _run_steps(fmt, overlap, steps=3, device=KERNEL_DEV, gather=gather)
+
+
+@needs_kernels
+@pytest.mark.parametrize("fmt,heads,dim,block", [
+    ("bf16", HKV, D, BLOCK), ("k8v4", HKV, D, BLOCK), ("int8", HKV, D, BLOCK),
+    ("q4_0", HKV, D, BLOCK),
+    ("q4_0", 1, 32, 1),  # an 18-byte block: copied in bytes, not words
+])
+def test_gather_kernel_copies_blocks_exactly(fmt: str, heads: int, dim: int, block: int) -> None:
+    """The gather kernel: dst[d] = src[s] per (s, d) pair and run, bytes untouched elsewhere.
+
+    "Host" is pinned CPU memory read in place on CUDA; under the interpreter
+    both sides are CPU tensors. Small tiles split a block into several, with
+    a partial last tile; fewer programs than items make each loop.
+    """
+    from strata.kv.triton.gather import MAX_RUNS, block_words, gather_blocks
+
+    dev = KERNEL_DEV
+    f = make_format(fmt, heads, dim)
+    host = f.allocate(12 * block, "cpu", pin=dev == "cuda")
+    area = f.allocate(8 * block, dev)
+    gen = torch.Generator().manual_seed(3)
+    for t in host.values():
+        b = t.view(torch.uint8)
+        b.copy_(torch.randint(0, 256, b.shape, generator=gen, dtype=torch.uint8))
+    for t in area.values():
+        t.view(torch.uint8).fill_(0xA5)
+    before = {n: t.cpu().clone() for n, t in area.items()}
+    srcs = [block_words(t, block) for t in host.values()]
+    dsts = [block_words(t, block) for t in area.values()]
+    assert len(srcs) <= MAX_RUNS and all(s is not None for s in srcs)
+    if block == 1:
+        assert all(s.dtype == torch.uint8 for s in srcs)
+    else:
+        assert all(s.dtype == torch.int32 for s in srcs)
+    pairs = [(11, 0), (3, 7), (4, 2), (0, 5)]
+    for k, (dtype, tile, programs) in enumerate([(torch.int64, 64, 3), (torch.int32, 2048, 64)]):
+        for t in area.values():
+            t.view(torch.uint8).fill_(0xA5)
+        p = torch.tensor(pairs[k:], dtype=dtype, device=dev)
+        gather_blocks(p, srcs, dsts, programs, tile=tile)
+        if dev == "cuda":
+            torch.cuda.synchronize()
+        want = {n: x.clone() for n, x in before.items()}
+        for s, d in pairs[k:]:
+            for n, w in want.items():
+                w[d * block : (d + 1) * block] = host[n][s * block : (s + 1) * block]
+        for n, t in area.items():
+            assert torch.equal(t.cpu().view(torch.uint8), want[n].view(torch.uint8)), (fmt, n, k)
 
