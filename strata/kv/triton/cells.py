@@ -13,10 +13,16 @@ Quantized tiles are made for the dot products, not for their reader:
   side by side, so each byte is loaded once. Attention sums over the head
   dimension, so the kernel only has to read q and write the output in the
   same order. Values are `(code - 8) * d` in float32, rounded once to the
-  compute dtype, as `strata.kv.quant` does.
+  compute dtype, as `strata.kv.quant` does;
+- the decode kernel's Q4_0 variants ("split", "fold") read two half tiles
+  instead (`q4_halves`: the low nibbles, then the high ones, each [N, D/2]
+  in `half_dims` order), which need no join across threads; "fold" leaves
+  V's codes unscaled and scales the probabilities by each block's d.
 """
 
 from __future__ import annotations
+
+import os
 
 import triton
 import triton.language as tl
@@ -24,6 +30,19 @@ import triton.language as tl
 PLAIN = 0  # values stored as they are (fp32 / fp16 / bf16)
 INT8 = 1  # int8 codes [cells, Hkv, D] with float32 scales [cells, Hkv]
 Q4_0 = 2  # ggml Q4_0 blocks [cells, Hkv, D/32, 18] (float16 d, then 16 bytes of nibbles)
+
+# How the decode kernel reads Q4_0 tiles (`STRATA_Q40_VARIANT`, read once; the candidates are
+# timed on the device, then the losers go):
+# "join": one [N, D] tile, both nibbles of a byte side by side (tl.join + reshape);
+# "split": the low and the high nibbles as two [N, D/2] tiles and two dots, no join, no
+#   int-to-float conversion (`q4_halves`);
+# "fold": as "split", but V's tiles hold the codes alone (exact in bf16) and each block's d
+#   scales the probabilities, in query rows repeated once per block (bf16 / fp32 compute);
+# "fold_uncapped": "fold" without the register cap the others compile under (ptxas gives it
+#   about 160 registers a thread, three programs per multiprocessor instead of four).
+# name -> (kernel variant, registers a thread or None)
+Q40_VARIANTS = {"join": (0, None), "split": (1, 128), "fold": (2, 128), "fold_uncapped": (2, None)}
+Q40_VARIANT, Q40_MAXNREG = Q40_VARIANTS[os.environ.get("STRATA_Q40_VARIANT") or "fold"]
 
 
 @triton.jit
@@ -110,6 +129,70 @@ def load_tile(data, aux, cells, head, mask_n, s_cell, s_head, a_cell, a_head,
 
 
 @triton.jit
+def half_dims(offs_h, HIGH: tl.constexpr):
+    """Head dimension of each column of a Q4_0 half tile (`q4_halves`).
+
+    Column c of the low half is element c % 16 of block c // 16; the high
+    half holds the same blocks' elements 16..31.
+    """
+    return (offs_h // 16) * 32 + offs_h % 16 + 16 * HIGH
+
+
+@triton.jit
+def q4_halves(data, aux, cells, head, mask_n, s_cell, s_head, a_cell, a_head,
+              HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, OUT: tl.constexpr,
+              SCALED: tl.constexpr, BIASED: tl.constexpr, IN_BOUNDS: tl.constexpr):
+    """(low, high) half tiles [N, BLOCK_D / 2] in `OUT` of Q4_0 rows, in `half_dims` order.
+
+    Each byte is loaded once and no tile is joined or reshaped across
+    threads, and no integer is converted to float: a nibble or'ed into the
+    mantissa of 2**23 (float32) or 128 (bf16) is that float plus the nibble.
+    SCALED: `(code - 8) * d`, rounded once from float32 as `strata.kv.quant`
+    does. Else the codes, exact: BIASED (bf16 `OUT`) gives code + 128, so the
+    kernel subtracts 136 times its probability sums; unbiased, code - 8.
+    Masked rows and blocks hold zero bytes: zeros when SCALED (d = 0), else
+    codes the kernel's zero probabilities or its output mask discard.
+    IN_BOUNDS (unscaled only): every row's cell exists and HEAD_DIM fills the
+    tile, so the codes are loaded unmasked (masked rows: finite codes, zero p).
+    """
+    NB: tl.constexpr = BLOCK_D // 32
+    blk = tl.arange(0, NB)[None, :, None]
+    offs_j = tl.arange(0, 16)[None, None, :]
+    c3 = cells[:, None, None]
+    mask = mask_n[:, None, None] & (blk < HEAD_DIM // 32)
+    ptr = data + c3 * s_cell + head * s_head + blk * 18 + 2 + offs_j
+    if IN_BOUNDS and not SCALED and HEAD_DIM == BLOCK_D:
+        byte = tl.load(ptr)
+    else:
+        byte = tl.load(ptr, mask=mask, other=0)
+    b = byte.to(tl.int32)
+    if SCALED:
+        d = tl.load(aux + c3 * a_cell + head * a_head + blk * 9, mask=mask, other=0.0).to(tl.float32)
+        lo = ((b & 0xF) | 0x4B000000).to(tl.float32, bitcast=True) - 8388616.0  # 2**23 + 8
+        hi = ((b >> 4) | 0x4B000000).to(tl.float32, bitcast=True) - 8388616.0
+        lo = (lo * d).to(OUT)
+        hi = (hi * d).to(OUT)
+    elif BIASED:
+        lo = ((b & 0xF) | 0x4300).to(tl.int16).to(tl.bfloat16, bitcast=True)
+        hi = ((b >> 4) | 0x4300).to(tl.int16).to(tl.bfloat16, bitcast=True)
+    else:
+        lo = ((b & 0xF) - 8).to(OUT)
+        hi = ((b >> 4) - 8).to(OUT)
+    n: tl.constexpr = cells.shape[0]
+    return tl.reshape(lo, [n, BLOCK_D // 2]), tl.reshape(hi, [n, BLOCK_D // 2])
+
+
+@triton.jit
+def block_scales(aux, cells, head, mask_n, a_cell, a_head, BLOCK_G: tl.constexpr,
+                 BLOCK_R: tl.constexpr, HEAD_DIM: tl.constexpr):
+    """[BLOCK_R, N] float32: row r holds d of block r // BLOCK_G of every cell (0 where masked)."""
+    blk = tl.arange(0, BLOCK_R) // BLOCK_G
+    mask = (blk < HEAD_DIM // 32)[:, None] & mask_n[None, :]
+    return tl.load(aux + cells[None, :] * a_cell + head * a_head + (blk * 9)[:, None],
+                   mask=mask, other=0.0).to(tl.float32)
+
+
+@triton.jit
 def scores(qt, k, k_scale, qk_scale, K_KIND: tl.constexpr, IEEE: tl.constexpr):
     """Scaled scores qt @ k.T in float32 (log2 units), an int8 tile's row scales applied."""
     if IEEE:  # float32: exact products (Triton's default for float32 is TF32)
@@ -120,6 +203,27 @@ def scores(qt, k, k_scale, qk_scale, K_KIND: tl.constexpr, IEEE: tl.constexpr):
         return s * (k_scale * qk_scale)[None, :]
     else:
         return s * qk_scale
+
+
+@triton.jit
+def half_scores(q_lo, q_hi, k_lo, k_hi, qk_scale, IEEE: tl.constexpr):
+    """Scaled scores (log2 units) from Q4_0 half tiles and q's matching halves."""
+    if IEEE:
+        s = tl.dot(q_lo, tl.trans(k_lo), input_precision="ieee")
+        s = tl.dot(q_hi, tl.trans(k_hi), s, input_precision="ieee")
+    else:
+        s = tl.dot(q_hi, tl.trans(k_hi), tl.dot(q_lo, tl.trans(k_lo)))
+    return s * qk_scale
+
+
+@triton.jit
+def select_blocks(o, BLOCK_G: tl.constexpr, NB: tl.constexpr):
+    """[BLOCK_G, W] from a half-tile accumulator [NB * BLOCK_G, W] whose row b * BLOCK_G + g
+    weighed block b's scales: column c of query head g is row (c // 16) * BLOCK_G + g."""
+    W: tl.constexpr = o.shape[1]
+    rows = tl.arange(0, NB * BLOCK_G)
+    keep = (rows // BLOCK_G)[:, None] == (tl.arange(0, W) // 16)[None, :]
+    return tl.sum(tl.reshape(tl.where(keep, o, 0.0), [NB, BLOCK_G, W]), 0)
 
 
 @triton.jit
@@ -135,6 +239,38 @@ def accumulate(acc, alpha, p, v, v_scale, V_KIND: tl.constexpr, FOLD_V: tl.const
 
 
 @triton.jit
+def _signs(rows, BLOCK_D: tl.constexpr):
+    """H[rows, :] (+-1, bf16-exact) as float32: (-1) ** popcount(i & j)."""
+    cols = tl.arange(0, BLOCK_D)
+    p = rows[:, None] & cols[None, :]
+    p = p ^ (p >> 16)
+    p = p ^ (p >> 8)
+    p = p ^ (p >> 4)
+    p = p ^ (p >> 2)
+    p = p ^ (p >> 1)
+    return tl.where((p & 1) == 1, -1.0, 1.0)
+
+
+@triton.jit
+def hadamard_halves(o_lo, o_hi, rows_lo, rows_hi, BLOCK_D: tl.constexpr, SCALE: tl.constexpr,
+                    IEEE: tl.constexpr):
+    """`hadamard_columns` of an output held as two half tiles, one accumulator for both."""
+    if IEEE:
+        r = tl.dot(o_lo, _signs(rows_lo, BLOCK_D), input_precision="ieee")
+        r = tl.dot(o_hi, _signs(rows_hi, BLOCK_D), r, input_precision="ieee")
+    else:
+        h = _signs(rows_lo, BLOCK_D).to(tl.bfloat16)
+        head = o_lo.to(tl.bfloat16)
+        r = tl.dot(head, h)
+        r = tl.dot((o_lo - head.to(tl.float32)).to(tl.bfloat16), h, r)
+        h = _signs(rows_hi, BLOCK_D).to(tl.bfloat16)
+        head = o_hi.to(tl.bfloat16)
+        r = tl.dot(head, h, r)
+        r = tl.dot((o_hi - head.to(tl.float32)).to(tl.bfloat16), h, r)
+    return r * SCALE
+
+
+@triton.jit
 def hadamard_columns(o, rows, BLOCK_D: tl.constexpr, SCALE: tl.constexpr, IEEE: tl.constexpr):
     """o @ H[rows, :] * SCALE for o [M, BLOCK_D] float32: k8v4's rotation of the output back.
 
@@ -144,14 +280,7 @@ def hadamard_columns(o, rows, BLOCK_D: tl.constexpr, SCALE: tl.constexpr, IEEE: 
     a bf16 head and tail (about 16 bits of mantissa, far below the bf16 or
     fp16 output's rounding); float32 compute takes IEEE products instead.
     """
-    cols = tl.arange(0, BLOCK_D)
-    p = rows[:, None] & cols[None, :]
-    p = p ^ (p >> 16)
-    p = p ^ (p >> 8)
-    p = p ^ (p >> 4)
-    p = p ^ (p >> 2)
-    p = p ^ (p >> 1)
-    h = tl.where((p & 1) == 1, -1.0, 1.0)
+    h = _signs(rows, BLOCK_D)
     if IEEE:
         r = tl.dot(o, h, input_precision="ieee")
     else:

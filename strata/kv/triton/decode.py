@@ -19,11 +19,20 @@ import triton.language as tl
 
 from strata.kv.triton.cells import (
     INT8,
+    Q4_0,
+    Q40_MAXNREG,
+    Q40_VARIANT,
     accumulate,
+    block_scales,
     cells_of,
     hadamard_columns,
+    hadamard_halves,
+    half_dims,
+    half_scores,
     load_tile,
+    q4_halves,
     scores,
+    select_blocks,
     tile_dims,
 )
 from strata.kv.triton.layout import Half
@@ -42,6 +51,7 @@ class DecodeConfig:
     num_warps: int = 4
     num_stages: int = 2
     per_sm: int = 4  # programs per multiprocessor the context splits aim for
+    maxnreg: int | None = None  # registers a thread ptxas may use (None: its choice)
 
 
 # (K kind, V kind) -> config; `strata.bench.gpu_bench --sweep-decode` times alternatives.
@@ -62,8 +72,18 @@ def _decode_kernel(
     G: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_D: tl.constexpr, CHUNK: tl.constexpr, K_KIND: tl.constexpr, V_KIND: tl.constexpr,
     DIRECT: tl.constexpr, IEEE: tl.constexpr, FOLD_V: tl.constexpr, ROTATE: tl.constexpr,
-    ROT_SCALE: tl.constexpr,
+    ROT_SCALE: tl.constexpr, Q4V: tl.constexpr, EXPAND: tl.constexpr, BLOCK_R: tl.constexpr,
+    V_BIAS: tl.constexpr,
 ):
+    # Q4V (cells.Q40_VARIANT) >= 1: Q4_0 K / V as low and high half tiles (`q4_halves`).
+    # EXPAND: rows are (V block b, query head g), b * BLOCK_G + g, so that V's tiles are plain
+    # codes and p is scaled per row by block b's d; the epilogue keeps each row's own block.
+    # V_BIAS: those codes come as code + 128 (bf16, no conversion); 136 * sum(p) comes off.
+    K_HALF: tl.constexpr = K_KIND == 2 and Q4V >= 1
+    V_HALF: tl.constexpr = V_KIND == 2 and Q4V >= 1
+    # a tile never straddles a chunk: one table entry per tile, fetched a tile ahead (and the
+    # tile's rows past `hi` are cells of that chunk, safe to read)
+    UNIFORM: tl.constexpr = (K_HALF or V_HALF) and CHUNK % BLOCK_N == 0
     lane = tl.program_id(0)
     kvh = tl.program_id(1)
     split = tl.program_id(2)
@@ -73,52 +93,121 @@ def _decode_kernel(
     lo = split * split_len
     hi = tl.minimum(lo + split_len, seqlen)
 
-    offs_g = tl.arange(0, BLOCK_G)
+    offs_r = tl.arange(0, BLOCK_R)  # == offs_g unless EXPAND
     offs_d = tl.arange(0, BLOCK_D)
+    offs_h = tl.arange(0, BLOCK_D // 2)
     offs_n = tl.arange(0, BLOCK_N)
-    heads = kvh * G + offs_g
-    gmask = offs_g < G
+    rheads = kvh * G + offs_r % BLOCK_G
+    rmask = offs_r % BLOCK_G < G
     dims_k = tile_dims(offs_d, K_KIND, True)  # q in the order of K's tile columns
     dims_v = tile_dims(offs_d, V_KIND, True)  # the accumulator in the order of V's
-    qt = tl.load(q + row * sq_t + heads[:, None] * sq_h + dims_k[None, :],
-                 mask=gmask[:, None] & (dims_k < HEAD_DIM)[None, :], other=0.0)
+    dims_lo = half_dims(offs_h, 0)
+    dims_hi = half_dims(offs_h, 1)
+    q_base = q + row * sq_t + rheads[:, None] * sq_h
+    if K_HALF:
+        q_lo = tl.load(q_base + dims_lo[None, :],
+                       mask=rmask[:, None] & (dims_lo < HEAD_DIM)[None, :], other=0.0)
+        q_hi = tl.load(q_base + dims_hi[None, :],
+                       mask=rmask[:, None] & (dims_hi < HEAD_DIM)[None, :], other=0.0)
+    else:
+        qt = tl.load(q_base + dims_k[None, :],
+                     mask=rmask[:, None] & (dims_k < HEAD_DIM)[None, :], other=0.0)
     table_row = tables + session * t_stride
     cdt = q.dtype.element_ty
 
-    m_i = tl.full([BLOCK_G], float("-inf"), tl.float32)
-    l_i = tl.zeros([BLOCK_G], tl.float32)
-    acc = tl.zeros([BLOCK_G, BLOCK_D], tl.float32)
+    m_i = tl.full([BLOCK_R], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_R], tl.float32)
+    if V_HALF:
+        acc = tl.zeros([BLOCK_R, BLOCK_D // 2], tl.float32)
+        acc_hi = tl.zeros([BLOCK_R, BLOCK_D // 2], tl.float32)
+    else:
+        acc = tl.zeros([BLOCK_R, BLOCK_D], tl.float32)
+    if UNIFORM:
+        chunk = tl.load(table_row + lo // CHUNK, mask=lo < hi, other=0).to(tl.int64)
     for start in range(lo, hi, BLOCK_N):
         pos = start + offs_n
         nmask = pos < hi
-        cells = cells_of(table_row, pos, nmask, CHUNK)
-        k, k_scale = load_tile(k_data, k_aux, cells, kvh, nmask, k_sc, k_sh, k_ac, k_ah,
-                               K_KIND, HEAD_DIM, BLOCK_D, cdt, False, True)
-        s = scores(qt, k, k_scale, qk_scale, K_KIND, IEEE)
+        if UNIFORM:
+            cells = chunk * CHUNK + (pos % CHUNK).to(tl.int64)
+            nxt = start + BLOCK_N
+            chunk = tl.load(table_row + nxt // CHUNK, mask=nxt < hi, other=0).to(tl.int64)
+        else:
+            cells = cells_of(table_row, pos, nmask, CHUNK)
+        if V_HALF:  # V's loads go out with K's
+            v_lo, v_hi = q4_halves(v_data, v_aux, cells, kvh, nmask, v_sc, v_sh, v_ac, v_ah,
+                                   HEAD_DIM, BLOCK_D, cdt, not EXPAND, V_BIAS != 0, UNIFORM)
+            if EXPAND:
+                v_d = block_scales(v_aux, cells, kvh, nmask, v_ac, v_ah, BLOCK_G, BLOCK_R,
+                                   HEAD_DIM)
+        if K_HALF:
+            k_lo, k_hi = q4_halves(k_data, k_aux, cells, kvh, nmask, k_sc, k_sh, k_ac, k_ah,
+                                   HEAD_DIM, BLOCK_D, cdt, True, False, False)
+            s = half_scores(q_lo, q_hi, k_lo, k_hi, qk_scale, IEEE)
+        else:
+            k, k_scale = load_tile(k_data, k_aux, cells, kvh, nmask, k_sc, k_sh, k_ac, k_ah,
+                                   K_KIND, HEAD_DIM, BLOCK_D, cdt, False, True)
+            s = scores(qt, k, k_scale, qk_scale, K_KIND, IEEE)
         s = tl.where(nmask[None, :], s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 1))
         alpha = tl.exp2(m_i - m_new)
         p = tl.exp2(s - m_new[:, None])
         l_i = l_i * alpha + tl.sum(p, 1)
-        v, v_scale = load_tile(v_data, v_aux, cells, kvh, nmask, v_sc, v_sh, v_ac, v_ah,
-                               V_KIND, HEAD_DIM, BLOCK_D, cdt, not FOLD_V, True)
-        acc = accumulate(acc, alpha, p, v, v_scale, V_KIND, FOLD_V, IEEE)
+        if V_HALF:
+            if EXPAND:
+                p = p * v_d
+            pv = p.to(v_lo.dtype)
+            if IEEE:
+                acc = acc * alpha[:, None] + tl.dot(pv, v_lo, input_precision="ieee")
+                acc_hi = acc_hi * alpha[:, None] + tl.dot(pv, v_hi, input_precision="ieee")
+            else:
+                acc = acc * alpha[:, None] + tl.dot(pv, v_lo)
+                acc_hi = acc_hi * alpha[:, None] + tl.dot(pv, v_hi)
+            if V_BIAS != 0:
+                bias = tl.sum(pv.to(tl.float32), 1)[:, None] * V_BIAS
+                acc = acc - bias
+                acc_hi = acc_hi - bias
+        else:
+            v, v_scale = load_tile(v_data, v_aux, cells, kvh, nmask, v_sc, v_sh, v_ac, v_ah,
+                                   V_KIND, HEAD_DIM, BLOCK_D, cdt, not FOLD_V, True)
+            acc = accumulate(acc, alpha, p, v, v_scale, V_KIND, FOLD_V, IEEE)
         m_i = m_new
 
-    o = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]  # an empty split gives zeros, not NaN
-    if ROTATE:  # k8v4: V was stored rotated; the combine pass is linear, so rotate here
-        o = hadamard_columns(o, dims_v, BLOCK_D, ROT_SCALE, IEEE)
-        dims_o = offs_d
-    else:
-        dims_o = dims_v
-    omask = gmask[:, None] & (dims_o < HEAD_DIM)[None, :]
+    l_safe = tl.where(l_i > 0, l_i, 1.0)[:, None]  # an empty split gives zeros, not NaN
+    offs_g = tl.arange(0, BLOCK_G)
+    heads = kvh * G + offs_g
+    gmask = offs_g < G
     if DIRECT:
-        tl.store(out + row * so_t + heads[:, None] * so_h + dims_o[None, :],
-                 o.to(out.dtype.element_ty), mask=omask)
+        o_base = out + row * so_t + heads[:, None] * so_h
     else:
         slot = (lane * num_heads + heads) * num_splits + split
-        tl.store(mid_o + slot[:, None] * HEAD_DIM + dims_o[None, :], o, mask=omask)
-        tl.store(mid_lse + slot, m_i + tl.log2(l_i), mask=gmask)
+        o_base = mid_o + slot[:, None] * HEAD_DIM
+    if V_HALF:
+        o_lo = acc / l_safe
+        o_hi = acc_hi / l_safe
+        if EXPAND:
+            o_lo = select_blocks(o_lo, BLOCK_G, BLOCK_R // BLOCK_G)
+            o_hi = select_blocks(o_hi, BLOCK_G, BLOCK_R // BLOCK_G)
+        if ROTATE:  # the halves' order folds into the rows of H
+            o = hadamard_halves(o_lo, o_hi, dims_lo, dims_hi, BLOCK_D, ROT_SCALE, IEEE)
+            tl.store(o_base + offs_d[None, :], o.to(o_base.dtype.element_ty),
+                     mask=gmask[:, None] & (offs_d < HEAD_DIM)[None, :])
+        else:
+            tl.store(o_base + dims_lo[None, :], o_lo.to(o_base.dtype.element_ty),
+                     mask=gmask[:, None] & (dims_lo < HEAD_DIM)[None, :])
+            tl.store(o_base + dims_hi[None, :], o_hi.to(o_base.dtype.element_ty),
+                     mask=gmask[:, None] & (dims_hi < HEAD_DIM)[None, :])
+    else:
+        o = acc / l_safe
+        if ROTATE:  # k8v4: V was stored rotated; the combine pass is linear, so rotate here
+            o = hadamard_columns(o, dims_v, BLOCK_D, ROT_SCALE, IEEE)
+            dims_o = offs_d
+        else:
+            dims_o = dims_v
+        tl.store(o_base + dims_o[None, :], o.to(o_base.dtype.element_ty),
+                 mask=gmask[:, None] & (dims_o < HEAD_DIM)[None, :])
+    if not DIRECT:  # rows b > 0 of an EXPAND tile repeat row b = 0's statistics
+        rslot = (lane * num_heads + rheads) * num_splits + split
+        tl.store(mid_lse + rslot, m_i + tl.log2(l_i), mask=rmask & (offs_r < BLOCK_G))
 
 
 @triton.jit(do_not_specialize=["num_splits"])
@@ -184,6 +273,9 @@ def decode_attention(
     hkv = k.data.shape[1]
     g = hq // hkv
     cfg = CONFIGS.get((k.kind, v.kind), DecodeConfig())
+    maxnreg = cfg.maxnreg
+    if maxnreg is None and Q4_0 in (k.kind, v.kind):
+        maxnreg = Q40_MAXNREG
     split_len, splits = plan_splits(lanes, hkv, batch.max_len, sms, cfg.block_n, cfg.per_sm)
     direct = splits == 1
     if direct:
@@ -192,15 +284,25 @@ def decode_attention(
         mid_o = torch.empty((lanes, hq, splits, d), dtype=torch.float32, device=q.device)
         mid_lse = torch.empty((lanes, hq, splits), dtype=torch.float32, device=q.device)
     block_d = triton.next_power_of_2(d)
+    fold_v = q.dtype != torch.float16
+    expand = v.kind == Q4_0 and Q40_VARIANT == 2 and fold_v
+    block_g = max(16, triton.next_power_of_2(g))
+    block_r = block_g
+    if expand:
+        nb = block_d // 32
+        block_g = max(triton.next_power_of_2(g), -(-16 // nb))
+        block_r = block_g * nb
     _decode_kernel[(lanes, hkv, splits)](
         q, out, mid_o, mid_lse, batch.q_rows, batch.sessions, batch.seqlens, tables,
         tables.stride(0), *k.args(), *v.args(),
         scale * LOG2E, q.stride(0), q.stride(1), out.stride(0), out.stride(1), hq,
         split_len, splits,
-        G=g, HEAD_DIM=d, BLOCK_G=max(16, triton.next_power_of_2(g)), BLOCK_N=cfg.block_n,
+        G=g, HEAD_DIM=d, BLOCK_G=block_g, BLOCK_N=cfg.block_n,
         BLOCK_D=block_d, CHUNK=chunk, K_KIND=k.kind, V_KIND=v.kind, DIRECT=direct,
-        IEEE=q.dtype == torch.float32, FOLD_V=q.dtype != torch.float16, ROTATE=rotate_v,
-        ROT_SCALE=d**-0.5, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        IEEE=q.dtype == torch.float32, FOLD_V=fold_v, ROTATE=rotate_v,
+        ROT_SCALE=d**-0.5, Q4V=Q40_VARIANT, EXPAND=expand, BLOCK_R=block_r,
+        V_BIAS=136 if expand and q.dtype == torch.bfloat16 else 0,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages, maxnreg=maxnreg,
     )
     if not direct:
         _combine_kernel[(lanes, hq)](
