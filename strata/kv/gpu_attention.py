@@ -113,7 +113,7 @@ class GpuTableAttention:
         `meta` [4, lanes] int64 holds query rows, sessions, lengths (start + 1)
         and write cells; the caller refills it before each replay. The context
         splits are planned for the pool's longest context, so one capture
-        serves every length (splits past a lane's length end at once).
+        serves every length (each lane spreads its own length over the splits).
         """
         self = cls.__new__(cls)
         self._setup(pool, num_heads, scale, dtype)

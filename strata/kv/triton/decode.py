@@ -63,12 +63,12 @@ CONFIGS: dict[tuple[int, int], DecodeConfig] = {
 }
 
 
-@triton.jit(do_not_specialize=["split_len", "num_splits"])  # they change as contexts grow
+@triton.jit(do_not_specialize=["num_splits"])  # it changes as contexts grow
 def _decode_kernel(
     q, out, mid_o, mid_lse, q_rows, sessions, seqlens, tables, t_stride,
     k_data, k_aux, k_sc, k_sh, k_ac, k_ah,
     v_data, v_aux, v_sc, v_sh, v_ac, v_ah,
-    qk_scale, sq_t, sq_h, so_t, so_h, num_heads, split_len, num_splits,
+    qk_scale, sq_t, sq_h, so_t, so_h, num_heads, num_splits,
     G: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_D: tl.constexpr, CHUNK: tl.constexpr, K_KIND: tl.constexpr, V_KIND: tl.constexpr,
     DIRECT: tl.constexpr, IEEE: tl.constexpr, FOLD_V: tl.constexpr, ROTATE: tl.constexpr,
@@ -90,8 +90,12 @@ def _decode_kernel(
     seqlen = tl.load(seqlens + lane).to(tl.int32)
     session = tl.load(sessions + lane).to(tl.int64)
     row = tl.load(q_rows + lane).to(tl.int64)
-    lo = split * split_len
-    hi = tl.minimum(lo + split_len, seqlen)
+    # Each lane spreads its own length over the launched splits in whole tiles: a graph plans
+    # its splits for the pool's longest context, and a short context then still runs on many
+    # programs of one tile each instead of a few that loop.
+    lane_split = tl.maximum(tl.cdiv(tl.cdiv(seqlen, num_splits), BLOCK_N), 1) * BLOCK_N
+    lo = split * lane_split
+    hi = tl.minimum(lo + lane_split, seqlen)
 
     offs_r = tl.arange(0, BLOCK_R)  # == offs_g unless EXPAND
     offs_d = tl.arange(0, BLOCK_D)
@@ -276,7 +280,7 @@ def decode_attention(
     maxnreg = cfg.maxnreg
     if maxnreg is None and Q4_0 in (k.kind, v.kind):
         maxnreg = Q40_MAXNREG
-    split_len, splits = plan_splits(lanes, hkv, batch.max_len, sms, cfg.block_n, cfg.per_sm)
+    _, splits = plan_splits(lanes, hkv, batch.max_len, sms, cfg.block_n, cfg.per_sm)
     direct = splits == 1
     if direct:
         mid_o = mid_lse = out  # unused
@@ -295,8 +299,7 @@ def decode_attention(
     _decode_kernel[(lanes, hkv, splits)](
         q, out, mid_o, mid_lse, batch.q_rows, batch.sessions, batch.seqlens, tables,
         tables.stride(0), *k.args(), *v.args(),
-        scale * LOG2E, q.stride(0), q.stride(1), out.stride(0), out.stride(1), hq,
-        split_len, splits,
+        scale * LOG2E, q.stride(0), q.stride(1), out.stride(0), out.stride(1), hq, splits,
         G=g, HEAD_DIM=d, BLOCK_G=block_g, BLOCK_N=cfg.block_n,
         BLOCK_D=block_d, CHUNK=chunk, K_KIND=k.kind, V_KIND=v.kind, DIRECT=direct,
         IEEE=q.dtype == torch.float32, FOLD_V=fold_v, ROTATE=rotate_v,
