@@ -52,6 +52,10 @@ class DecodeConfig:
     num_stages: int = 2
     per_sm: int = 4  # programs per multiprocessor the context splits aim for
     maxnreg: int | None = None  # registers a thread ptxas may use (None: its choice)
+    # each lane splits its own length over the splits (else: the planned split length);
+    # int8 keeps the planned length: per-lane splits took its kernel from 168 to 212
+    # registers and 1 x 32k from 39.7 to 42.7 us, 64 x 4k from 207 to 243 us (H200)
+    lane_split: bool = True
 
 
 # (K kind, V kind) -> config; `strata.bench.gpu_bench --sweep-decode` times alternatives.
@@ -59,21 +63,21 @@ class DecodeConfig:
 # one lane at 32,768 cells (bf16: 40.8) and 208 us for 64 lanes at 4,096 (bf16: 262), against
 # 47.8 and 384 us with 64-position tiles and three programs per multiprocessor.
 CONFIGS: dict[tuple[int, int], DecodeConfig] = {
-    (INT8, INT8): DecodeConfig(block_n=128, num_warps=4, num_stages=2, per_sm=4),
+    (INT8, INT8): DecodeConfig(block_n=128, num_warps=4, num_stages=2, per_sm=4, lane_split=False),
 }
 
 
-@triton.jit(do_not_specialize=["num_splits"])  # it changes as contexts grow
+@triton.jit(do_not_specialize=["split_len", "num_splits"])  # they change as contexts grow
 def _decode_kernel(
     q, out, mid_o, mid_lse, q_rows, sessions, seqlens, tables, t_stride,
     k_data, k_aux, k_sc, k_sh, k_ac, k_ah,
     v_data, v_aux, v_sc, v_sh, v_ac, v_ah,
-    qk_scale, sq_t, sq_h, so_t, so_h, num_heads, num_splits,
+    qk_scale, sq_t, sq_h, so_t, so_h, num_heads, split_len, num_splits,
     G: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_D: tl.constexpr, CHUNK: tl.constexpr, K_KIND: tl.constexpr, V_KIND: tl.constexpr,
     DIRECT: tl.constexpr, IEEE: tl.constexpr, FOLD_V: tl.constexpr, ROTATE: tl.constexpr,
     ROT_SCALE: tl.constexpr, Q4V: tl.constexpr, EXPAND: tl.constexpr, BLOCK_R: tl.constexpr,
-    V_BIAS: tl.constexpr,
+    V_BIAS: tl.constexpr, LANE_SPLIT: tl.constexpr,
 ):
     # Q4V (cells.Q40_VARIANT) >= 1: Q4_0 K / V as low and high half tiles (`q4_halves`).
     # EXPAND: rows are (V block b, query head g), b * BLOCK_G + g, so that V's tiles are plain
@@ -90,12 +94,13 @@ def _decode_kernel(
     seqlen = tl.load(seqlens + lane).to(tl.int32)
     session = tl.load(sessions + lane).to(tl.int64)
     row = tl.load(q_rows + lane).to(tl.int64)
-    # Each lane spreads its own length over the launched splits in whole tiles: a graph plans
-    # its splits for the pool's longest context, and a short context then still runs on many
-    # programs of one tile each instead of a few that loop.
-    lane_split = tl.maximum(tl.cdiv(tl.cdiv(seqlen, num_splits), BLOCK_N), 1) * BLOCK_N
-    lo = split * lane_split
-    hi = tl.minimum(lo + lane_split, seqlen)
+    if LANE_SPLIT:
+        # Each lane spreads its own length over the launched splits in whole tiles: a graph
+        # plans its splits for the pool's longest context, and a short context then still
+        # runs on many programs of one tile each instead of a few that loop.
+        split_len = tl.cdiv(seqlen, num_splits * BLOCK_N) * BLOCK_N
+    lo = split * split_len
+    hi = tl.minimum(lo + split_len, seqlen)
 
     offs_r = tl.arange(0, BLOCK_R)  # == offs_g unless EXPAND
     offs_d = tl.arange(0, BLOCK_D)
@@ -280,7 +285,7 @@ def decode_attention(
     maxnreg = cfg.maxnreg
     if maxnreg is None and Q4_0 in (k.kind, v.kind):
         maxnreg = Q40_MAXNREG
-    _, splits = plan_splits(lanes, hkv, batch.max_len, sms, cfg.block_n, cfg.per_sm)
+    split_len, splits = plan_splits(lanes, hkv, batch.max_len, sms, cfg.block_n, cfg.per_sm)
     direct = splits == 1
     if direct:
         mid_o = mid_lse = out  # unused
@@ -299,7 +304,8 @@ def decode_attention(
     _decode_kernel[(lanes, hkv, splits)](
         q, out, mid_o, mid_lse, batch.q_rows, batch.sessions, batch.seqlens, tables,
         tables.stride(0), *k.args(), *v.args(),
-        scale * LOG2E, q.stride(0), q.stride(1), out.stride(0), out.stride(1), hq, splits,
+        scale * LOG2E, q.stride(0), q.stride(1), out.stride(0), out.stride(1), hq,
+        split_len, splits, LANE_SPLIT=cfg.lane_split,
         G=g, HEAD_DIM=d, BLOCK_G=block_g, BLOCK_N=cfg.block_n,
         BLOCK_D=block_d, CHUNK=chunk, K_KIND=k.kind, V_KIND=v.kind, DIRECT=direct,
         IEEE=q.dtype == torch.float32, FOLD_V=fold_v, ROTATE=rotate_v,
