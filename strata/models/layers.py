@@ -140,10 +140,11 @@ class DecoderLayer(nn.Module):
     def forward(
         self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, ctx: AttentionContext
     ) -> torch.Tensor:
-        attn, mlp = self.self_attn, self.mlp
-        g = ops.row_kernels(h, attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)
-        if g is not None:
-            return self._forward_row(g, h, cos, sin, ctx)
+        if h.is_cuda and h.shape[0] == 1:  # one CUDA row: the products carry the small ops
+            attn, mlp = self.self_attn, self.mlp
+            g = ops.row_kernels(h, attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)
+            if g is not None:
+                return self._forward_row(g, h, cos, sin, ctx)
         a = self.self_attn.forward(self.input_layernorm.forward(h), cos, sin, ctx)
         post = self.post_attention_layernorm
         h, x = ops.add_rms_norm(h, a, post.weight, post.eps)  # the residual add and the next norm
