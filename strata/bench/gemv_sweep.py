@@ -60,39 +60,34 @@ def _time(fn: Callable[[int], Any], copies: int, reps: int = 5) -> float:
     return start.elapsed_time(end) * 1e3 / (reps * copies)
 
 
-def sweep(hidden: int = 4096, inter: int = 14336, qkv: int = 6144, vocab: int = 49152,
-          gib: float = 2.0, only: str = "") -> dict[str, Any]:
-    dev = torch.device("cuda")
-    dt = torch.bfloat16
-    out: dict[str, Any] = {}
-    for name, (n, k, ops) in shapes(hidden, inter, qkv, vocab).items():
-        if only and name not in only.split(","):
-            continue
-        copies = max(2, math.ceil(gib * 2**30 / (n * k * 2)))
-        w = torch.randn(copies, n, k, device=dev, dtype=dt) * k**-0.5
-        x = torch.randn(1, k, device=dev, dtype=dt)
-        nw = torch.ones(k, device=dev, dtype=dt)
-        silu = "silu" in ops
-        m = n // 2 if silu else n
-        res = torch.randn(1, m, device=dev, dtype=dt)
-        kw = dict(norm_weight=nw if "norm" in ops else None, eps=EPS, silu=silu,
-                  residual=res if "residual" in ops else None,
-                  out_dtype=torch.float32 if "f32" in ops else None)
+def sweep_matrix(name: str, n: int, k: int, ops: str, gib: float = 2.0) -> dict[str, Any]:
+    """One matrix: cuBLAS alone, cuBLAS with the small kernels, the one-row kernel per config."""
+    dev, dt = torch.device("cuda"), torch.bfloat16
+    copies = max(2, math.ceil(gib * 2**30 / (n * k * 2)))
+    w = torch.randn(copies, n, k, device=dev, dtype=dt) * k**-0.5
+    x = torch.randn(1, k, device=dev, dtype=dt)
+    nw = torch.ones(k, device=dev, dtype=dt)
+    silu = "silu" in ops
+    res = torch.randn(1, n // 2 if silu else n, device=dev, dtype=dt)
+    kw: dict[str, Any] = {"norm_weight": nw if "norm" in ops else None, "eps": EPS, "silu": silu,
+                          "residual": res if "residual" in ops else None,
+                          "out_dtype": torch.float32 if "f32" in ops else None}
 
-        def unfused(i: int) -> Any:
-            xi = fused.rms_norm(x, nw, EPS) if "norm" in ops else x
-            y = F.linear(xi, w[i])
-            if silu:
-                y = fused.silu_mul(y)
-            if "residual" in ops:
-                y = res + y
-            return y.float() if "f32" in ops else y
+    def unfused(i: int) -> Any:
+        xi = fused.rms_norm(x, nw, EPS) if "norm" in ops else x
+        y = F.linear(xi, w[i])
+        if silu:
+            y = fused.silu_mul(y)
+        if "residual" in ops:
+            y = res + y
+        return y.float() if "f32" in ops else y
 
-        row: dict[str, Any] = {"rows": n, "cols": k, "ops": ops, "copies": copies,
-                               "weight_bytes": n * k * 2}
-        row["cublas_us"] = _time(lambda i: F.linear(x, w[i]), copies)
-        row["unfused_us"] = _time(unfused, copies)
-        configs = []
+    row: dict[str, Any] = {"rows": n, "cols": k, "ops": ops, "copies": copies,
+                           "weight_bytes": n * k * 2}
+    row["cublas_us"] = _time(lambda i: F.linear(x, w[i]), copies)
+    row["unfused_us"] = _time(unfused, copies)
+    configs = []
+    try:
         for bn, bk, warps, stages in itertools.product(*GRID.values()):
             if k % bk:
                 continue
@@ -104,20 +99,31 @@ def sweep(hidden: int = 4096, inter: int = 14336, qkv: int = 6144, vocab: int = 
                 print(f"{name} {bn},{bk},{warps},{stages}: {type(e).__name__}: {str(e)[:100]}",
                       file=sys.stderr)
             configs.append({"config": [bn, bk, warps, stages], "us": us})
+    finally:
         os.environ.pop("STRATA_GEMV_CONFIG", None)
-        good = [c for c in configs if c["us"] == c["us"]]
-        best = min(good, key=lambda c: c["us"]) if good else None
-        row["configs"] = configs
-        row["best"] = best
-        for key in ("cublas_us", "unfused_us"):
-            row[key.replace("_us", "_TBps")] = n * k * 2 / row[key] / 1e6
-        if best:
-            row["best_TBps"] = n * k * 2 / best["us"] / 1e6
+    good = [c for c in configs if c["us"] == c["us"]]
+    best = min(good, key=lambda c: c["us"]) if good else None
+    row["configs"] = configs
+    row["best"] = best
+    for key in ("cublas_us", "unfused_us"):
+        row[key.replace("_us", "_TBps")] = n * k * 2 / row[key] / 1e6
+    if best:
+        row["best_TBps"] = n * k * 2 / best["us"] / 1e6
+    return row
+
+
+def sweep(hidden: int = 4096, inter: int = 14336, qkv: int = 6144, vocab: int = 49152,
+          gib: float = 2.0, only: str = "") -> dict[str, Any]:
+    """Every matrix of `shapes` (or those named in `only`), and the best configs as CONFIGS keys."""
+    out: dict[str, Any] = {}
+    for name, (n, k, ops) in shapes(hidden, inter, qkv, vocab).items():
+        if only and name not in only.split(","):
+            continue
+        row = sweep_matrix(name, n, k, ops, gib)  # its weight copies are freed on return
+        torch.cuda.empty_cache()
         out[name] = row
         print(json.dumps({key: v for key, v in row.items() if key != "configs"}), file=sys.stderr,
               flush=True)
-        del w
-        torch.cuda.empty_cache()
     out["CONFIGS"] = {f"({r['rows'] // (2 if 'silu' in r['ops'] else 1)}, {r['cols']})": r["best"]["config"]
                       for r in out.values() if isinstance(r, dict) and r.get("best")}
     return out

@@ -385,7 +385,6 @@ def ratios(out: dict[str, Any]) -> dict[str, float]:
 def _strata_stages(args: Any, cfg: EngineConfig, lanes: list[int], lengths: list[int],
                    out: dict[str, Any], stage: Any, tables: list[str]) -> None:
     """Strata's own figures through the engine (the model is dropped on return)."""
-    parallel = max(lanes)
     from strata.models import load_model
 
     t0 = time.perf_counter()
@@ -395,6 +394,19 @@ def _strata_stages(args: Any, cfg: EngineConfig, lanes: list[int], lengths: list
     out["load_seconds"] = load_s
     weight_bytes = sum(t.numel() * t.element_size() for t in loaded.model.parameters())
     out["weight_bytes"] = weight_bytes
+    cuda = _engine_stages(args, cfg, loaded, weight_bytes, lanes, lengths, out, stage, tables)
+    if args.long_context and cuda:  # the engine above and its pool are gone
+        gc.collect()
+        torch.cuda.empty_cache()
+        stage("long_context_decode", lambda: long_context_runs(
+            loaded, cfg, args.long_context, args.gen_tokens,
+            [f for f in args.long_kv.split(",") if f]))
+
+
+def _engine_stages(args: Any, cfg: EngineConfig, loaded: Any, weight_bytes: int, lanes: list[int],
+                   lengths: list[int], out: dict[str, Any], stage: Any, tables: list[str]) -> bool:
+    """The figures of one engine over `loaded` (`cfg`); True when it ran on CUDA."""
+    parallel = max(lanes)
 
     def profiles() -> list[dict]:
         result = []
@@ -454,13 +466,7 @@ def _strata_stages(args: Any, cfg: EngineConfig, lanes: list[int], lengths: list
                 stage("batch_company", lambda: batch_company(engine, sizes, args.prompt_tokens, 32))
             for i in range(tables_before, len(tables)):
                 tables[i] = tables[i].replace("== decode step", "== decode step (CUDA graph)")
-    del engine  # its pool's memory back before the long-context pools
-    if args.long_context and cuda:
-        gc.collect()
-        torch.cuda.empty_cache()
-        stage("long_context_decode", lambda: long_context_runs(
-            loaded, cfg, args.long_context, args.gen_tokens,
-            [f for f in args.long_kv.split(",") if f]))
+    return cuda
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -88,7 +88,7 @@ def config(n: int, k: int) -> tuple[int, int, int, int]:
         return forced
     if (n, k) in CONFIGS:
         return CONFIGS[(n, k)]
-    bk = 1024  # the widest tile that divides the row, and about 1,024 weights a tile
+    bk = 1024  # the widest tile (up to 1,024 columns) that divides the row, 2,048 weights a tile
     while bk > MIN_BLOCK_K and k % bk:
         bk //= 2
     return max(1, 2048 // bk), bk, 4, 1
