@@ -14,9 +14,9 @@ from strata.engine.types import SamplingParams
 
 def add_bench_arguments(parser: argparse.ArgumentParser) -> None:
     g = parser.add_argument_group("bench")
-    g.add_argument("--suite", default="decode", choices=["decode", "pool", "all", "gpu"],
-                   help="decode: prompt and decode tokens/s; pool: pool memory and move time; "
-                        "gpu: the GPU harness on --model (see docs/GPU.md)")
+    g.add_argument("--suite", default="decode", choices=["decode", "pool", "all"],
+                   help="decode: prompt and decode tokens/s; pool: pool memory and move time "
+                        "(the GPU harness: python -m benchmarks.gpu_bench, docs/GPU.md)")
     g.add_argument("--prompt-tokens", type=int, default=512)
     g.add_argument("--gen-tokens", type=int, default=128)
     g.add_argument("--lanes", default="1", help="comma-separated lane counts for decode, e.g. 1,4,16")
@@ -28,7 +28,7 @@ def add_bench_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--out", default=None, help="also write the JSON here")
 
 
-def _prompt(vocab: int, n: int, salt: int) -> list[int]:
+def synthetic_prompt(vocab: int, n: int, salt: int) -> list[int]:
     """Deterministic pseudo-random token ids (distinct per salt, so no prefix is shared)."""
     x = 12345 + salt * 7919
     out = []
@@ -41,9 +41,9 @@ def _prompt(vocab: int, n: int, salt: int) -> list[int]:
 def bench_engine(engine: Any, prompt_tokens: int, gen_tokens: int, lanes: list[int]) -> dict:
     vocab = engine.model_config.vocab_size
     params1 = SamplingParams(max_tokens=1, ignore_eos=True)
-    engine.complete(_prompt(vocab, 16, 999), params1)  # warm up
+    engine.complete(synthetic_prompt(vocab, 16, 999), params1)  # warm up
     t0 = time.perf_counter()
-    engine.complete(_prompt(vocab, prompt_tokens, 0), params1)
+    engine.complete(synthetic_prompt(vocab, prompt_tokens, 0), params1)
     prompt_s = time.perf_counter() - t0
     out: dict[str, Any] = {"prompt_tokens_per_s": prompt_tokens / prompt_s, "decode": {}}
     params = SamplingParams(max_tokens=gen_tokens, ignore_eos=True)
@@ -51,7 +51,7 @@ def bench_engine(engine: Any, prompt_tokens: int, gen_tokens: int, lanes: list[i
         if n > engine.config.parallel:
             out["decode"][str(n)] = None
             continue
-        handles = [engine.generate(_prompt(vocab, prompt_tokens, 1000 * n + i), params) for i in range(n)]
+        handles = [engine.generate(synthetic_prompt(vocab, prompt_tokens, 1000 * n + i), params) for i in range(n)]
         iters = [iter(h) for h in handles]
         for it in iters:  # first token of every lane: prompts read
             next(it)
@@ -71,15 +71,6 @@ def run_bench(args: argparse.Namespace) -> int:
     from strata.bench.pool_bench import bench_pool
     from strata.engine.engine import Engine
 
-    if args.suite == "gpu":
-        from strata.bench.gpu_bench import main as gpu_main
-
-        if not args.model:
-            raise SystemExit("strata bench --suite gpu needs --model FILE.gguf "
-                             "(write one with python -m strata.bench.synth)")
-        argv = [args.model, "--lanes", args.lanes, "--prompt-tokens", str(args.prompt_tokens),
-                "--gen-tokens", str(args.gen_tokens)]
-        return gpu_main(argv + (["--out", args.out] if args.out else []))
     cfg = config_from_args(args)
     lanes = [int(x) for x in args.lanes.split(",")]
     cfg.parallel = max(cfg.parallel, max(lanes))
@@ -102,8 +93,8 @@ def run_bench(args: argparse.Namespace) -> int:
                                        cfg.threads)
             else:
                 peer = run_llama_cpp_python(path, args.prompt_tokens, args.gen_tokens, cfg.threads,
-                                            _prompt(vocab, args.prompt_tokens, 0),
-                                            _prompt(vocab, 16, 999))
+                                            synthetic_prompt(vocab, args.prompt_tokens, 0),
+                                            synthetic_prompt(vocab, 16, 999))
             result["llama_cpp"] = peer
             one = result["strata"]["decode"].get("1")
             if peer and one:

@@ -3,7 +3,7 @@
 `llama-bench` (built from llama.cpp's source) is the fair peer: C++ all the
 way. llama-cpp-python drives llama.cpp from Python, one call a token, and
 loses about half its decode speed to that; it is the fallback when no
-llama-bench binary is given. On the GPU (`strata.bench.gpu_bench`) the peers
+llama-bench binary is given. On the GPU (`benchmarks.gpu_bench`) the peers
 are `llama-bench` (pp and tg, one sequence) and `llama-batched-bench` (many
 parallel sequences), both with every layer on the GPU and flash attention on.
 """

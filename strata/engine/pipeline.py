@@ -23,7 +23,7 @@ import torch
 from strata.engine.request import Request
 from strata.engine.sampling import has_penalties
 from strata.engine.scheduler import Lane, Scheduler, Step
-from strata.kv.attention import SeqSpec
+from strata.attention.reference import SeqSpec
 
 
 @dataclass

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import torch
 
-from strata.kv.attention import SeqSpec, TableAttention
-from strata.kv.gpu_attention import context_class
-from strata.kv.gpu_stream import stream_context
+from strata.attention.reference import SeqSpec, TableAttention
+from strata.attention.triton_pool import context_class
+from strata.attention.triton_stream import stream_context
 from strata.kv.pool import KvPool
 
 
@@ -23,7 +23,7 @@ class Runner:
         self.context = stream_context(pool) if pool.store is not None else context_class(pool)
         self.graphs = None  # CUDA graphs of decode steps (prompt reading stays eager)
         if graphs and pool.store is None and self.context is not TableAttention:
-            from strata.kv.triton.graphs import DecodeGraphs
+            from strata.engine.graphs import DecodeGraphs
 
             self.graphs = DecodeGraphs(model, pool, num_heads, scale, dtype)
 

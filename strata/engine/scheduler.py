@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 
 from strata.engine.request import Request
 from strata.errors import KvPoolFull
-from strata.kv.attention import SeqSpec
+from strata.attention.reference import SeqSpec
 from strata.kv.policy import IdleSession, choose_evictions
 from strata.kv.pool import KvPool
 

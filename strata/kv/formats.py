@@ -191,7 +191,7 @@ class K8V4Format(KvFormat):
     `read` returns V still rotated: attention mixes V rows linearly, so
     `finish_output` rotates the output back once instead of every row.
     `rotate=False` is the same layout without the rotation, kept only to
-    measure what the rotation earns (strata.kv.quality); it is no `--kv` value.
+    measure what the rotation earns (benchmarks.quality); it is no `--kv` value.
     """
 
     def __init__(self, n_kv_heads: int, head_dim: int, rotate: bool = True) -> None:

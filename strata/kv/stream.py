@@ -23,7 +23,7 @@ streamed attention equals resident attention bit for bit
 CPU buffer and the same code runs.
 
 On CUDA the engine does not use `read`/`write` but the Triton kernels over the
-cache (`strata.kv.gpu_stream`, docs/GPU_STREAMING.md): it resolves every
+cache (`strata.attention.triton_stream`, docs/GPU_STREAMING.md): it resolves every
 layer's residency at the start of a step (`plan_layers`), copies misses on a
 side stream ahead of the layers that read them (`overlap`), one gather launch
 per layer reading the pinned store in place (`gather`), and writes new
@@ -178,11 +178,11 @@ class StreamStore:
         self.uploader = _Uploader(self.device)
         self._maps_key: tuple[torch.Tensor, tuple[int, ...]] | None = None
         self._maps: tuple[torch.Tensor, torch.Tensor] = (torch.empty(0), torch.empty(0))
-        # The CUDA path (kv/gpu_stream.py): copy layer L's misses while earlier layers compute
+        # The CUDA path (attention/triton_stream.py): copy layer L's misses while earlier layers compute
         # (False: copy, then wait, as `read` does); its per-store state (streams, events,
         # write-behind) lives in `gpu`, made on first use. `gather`: how it copies a layer's misses:
         # one gather launch reading the pinned store in place (True), one `copy_` per run of blocks
-        # (False), or None: the gather kernel on CUDA where it can run (kv/triton/gather.py).
+        # (False), or None: the gather kernel on CUDA where it can run (kernels/triton/gather.py).
         self.overlap = overlap_default() if overlap is None else overlap
         self.gather: bool | None = gather_default() if gather is None else gather
         self.gpu = None

@@ -152,7 +152,7 @@ class DecoderLayer(nn.Module):
 
     def _forward_row(self, g: Any, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                      ctx: AttentionContext) -> torch.Tensor:
-        """One CUDA row (a one-lane decode step): four matrix-vector products (`gpu/gemv.py`)
+        """One CUDA row (a one-lane decode step): four matrix-vector products (`kernels/triton/gemv.py`)
         that carry both norms, RoPE, the SwiGLU product and both residual adds."""
         attn, mlp = self.self_attn, self.mlp
         pre, post = self.input_layernorm, self.post_attention_layernorm

@@ -1,11 +1,11 @@
 """The row-wise pieces of a decoder layer: C++ kernels on the CPU, Triton on CUDA, torch elsewhere.
 
 A decode step on the CPU is dominated by dispatching small torch operations
-(RMSNorm alone is about ten); the kernels in `kv/csrc/elementwise.cpp` do
+(RMSNorm alone is about ten); the kernels in `kernels/cpu/csrc/elementwise.cpp` do
 each piece in one call. The torch versions here are the reference and the
 path on other devices (and on the CPU when the kernels are not built or
 STRATA_CPU_KERNEL=0). CUDA tensors go to the Triton kernels of
-`strata/gpu/fused.py`, one launch each, with the same rounding (without
+`strata/kernels/triton/fused.py`, one launch each, with the same rounding (without
 Triton, or with STRATA_GPU_FUSED=0, to torch). All compute every row by itself.
 """
 
@@ -19,7 +19,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from strata.kv.cpu_kernel import cpu_kernel
+from strata.kernels.cpu.loader import cpu_kernel
 
 
 def _kernel(x: torch.Tensor) -> Any | None:
@@ -38,17 +38,17 @@ def _gpu_module(name: str, switch: str) -> Any | None:
 
 
 def _fused_kernels() -> Any | None:
-    """The row-wise kernels (`gpu/fused.py`); STRATA_GPU_FUSED=0 keeps the torch expressions."""
+    """The row-wise kernels (`kernels/triton/fused.py`); STRATA_GPU_FUSED=0 keeps the torch expressions."""
     return _gpu_module("fused", "STRATA_GPU_FUSED")
 
 
 def _gemv_kernels() -> Any | None:
-    """The one-row products (`gpu/gemv.py`); STRATA_GPU_GEMV=0 keeps cuBLAS and separate ops."""
+    """The one-row products (`kernels/triton/gemv.py`); STRATA_GPU_GEMV=0 keeps cuBLAS and separate ops."""
     return _gpu_module("gemv", "STRATA_GPU_GEMV")
 
 
 def row_kernels(h: torch.Tensor, *linears: torch.nn.Module) -> Any | None:
-    """`strata.gpu.gemv` when h is one CUDA row that its kernels take against every linear's
+    """`strata.kernels.triton.gemv` when h is one CUDA row that its kernels take against every linear's
     weight (plain weights, not quantized modules), else None.
 
     A one-lane decode step on the GPU then runs each sublayer as matrix-vector

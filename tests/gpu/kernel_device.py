@@ -79,7 +79,7 @@ if INTERPRET:
 def kernel_device() -> str:
     """"cuda", "cpu" under the interpreter, or skip the calling module."""
     if INTERPRET:
-        from strata.kv.triton import decode
+        from strata.kernels.triton import decode
 
         if type(decode._decode_kernel).__name__ != "InterpretedFunction":
             pytest.skip("kernels were compiled before STRATA_TRITON_INTERPRET took effect: "

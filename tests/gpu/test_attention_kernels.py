@@ -16,12 +16,12 @@ from tests.gpu.kernel_device import INTERPRET, kernel_device
 
 DEV = kernel_device()
 
-from strata.kv.attention import SeqSpec, TableAttention
+from strata.attention.reference import SeqSpec, TableAttention
 from strata.kv.formats import make_format
-from strata.kv.gpu_attention import GpuTableAttention, context_class
+from strata.attention.triton_pool import GpuTableAttention, context_class
 from strata.kv.pool import KvPool
-from strata.kv.triton import decode
-from strata.kv.triton.cells import Q40_VARIANTS
+from strata.kernels.triton import decode
+from strata.kernels.triton.cells import Q40_VARIANTS
 
 HQ, HKV, D = 8, 2, 64
 CHUNK = 32
@@ -155,7 +155,7 @@ def test_quantized_formats_in_fp16_compute(fmt: str) -> None:
 @pytest.mark.parametrize("fmt", ["bf16", "int8", "k8v4"])
 def test_long_context_uses_splits(fmt: str) -> None:
     """One lane at 5,000+ positions: the context is split and the splits combined."""
-    from strata.kv.triton.decode import plan_splits
+    from strata.kernels.triton.decode import plan_splits
 
     assert plan_splits(1, HKV, 5000, 132)[1] > 1
     sc = Scenario(fmt, torch.bfloat16, sessions=2, max_context=6000, seed=2)

@@ -11,11 +11,11 @@ import torch
 if not torch.cuda.is_available():
     pytest.skip("needs a CUDA device", allow_module_level=True)
 
-from strata.kv.attention import SeqSpec
+from strata.attention.reference import SeqSpec
 from strata.kv.formats import make_format
-from strata.kv.gpu_attention import GpuTableAttention
+from strata.attention.triton_pool import GpuTableAttention
 from strata.kv.pool import KvPool
-from strata.kv.triton.graphs import DecodeGraphs
+from strata.engine.graphs import DecodeGraphs
 from strata.models.base import ModelConfig
 from strata.models.layers import DecoderModel
 
@@ -65,7 +65,7 @@ def _prompts(model: DecoderModel, pools: list[KvPool], lens: dict[int, int]) -> 
     return dict(lens)
 
 
-# 3 lanes run padded to 4 (cuBLAS matmuls); one lane runs the row kernels of gpu/gemv.py
+# 3 lanes run padded to 4 (cuBLAS matmuls); one lane runs the row kernels of kernels/triton/gemv.py
 LANES = {3: ({0: 70, 2: 5, 3: 129}, 4), 1: ({2: 131}, 1)}
 
 

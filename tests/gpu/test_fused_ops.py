@@ -1,4 +1,4 @@
-"""The Triton row-wise kernels (`strata/gpu/fused.py`) against the torch branch of `models/ops.py`.
+"""The Triton row-wise kernels (`strata/kernels/triton/fused.py`) against the torch branch of `models/ops.py`.
 
 RoPE (with q, k, v split out) and the residual sum must be bit-identical to
 torch. RMSNorm and SiLU * up may differ from torch in the last float32 bits
@@ -22,7 +22,7 @@ DEV = kernel_device()
 
 import torch
 
-from strata.gpu import fused
+from strata.kernels.triton import fused
 from strata.models import ops
 from strata.models.rope import rope_tables
 

@@ -1,4 +1,4 @@
-"""The one-row matrix-vector kernels (`strata/gpu/gemv.py`) against float64 products.
+"""The one-row matrix-vector kernels (`strata/kernels/triton/gemv.py`) against float64 products.
 
 The reference rounds where the unfused ops round: the normalised row (the
 torch branch of `ops.rms_norm`), the product (computed in float64, rounded
@@ -18,7 +18,7 @@ DEV = kernel_device()
 import torch
 import torch.nn.functional as F
 
-from strata.gpu import gemv
+from strata.kernels.triton import gemv
 from tests.gpu.test_fused_ops import BITS, randn, torch_branch
 
 DTYPES = [torch.bfloat16, torch.float16, torch.float32]
@@ -181,9 +181,9 @@ def test_one_row_model_step_takes_the_row_kernels() -> None:
     logits stay close to the unfused path (cuBLAS, separate norm / SwiGLU / add kernels)."""
     from unittest import mock
 
-    from strata.kv.attention import SeqSpec
+    from strata.attention.reference import SeqSpec
     from strata.kv.formats import make_format
-    from strata.kv.gpu_attention import GpuTableAttention
+    from strata.attention.triton_pool import GpuTableAttention
     from strata.kv.pool import KvPool
     from strata.models import ops
     from strata.models.base import ModelConfig

@@ -36,7 +36,7 @@ from strata.engine.engine import Engine
 from strata.engine.runner import Runner
 from strata.engine.types import SamplingParams
 from strata.errors import ModelLoadError
-from strata.kv.attention import SeqSpec, TableAttention
+from strata.attention.reference import SeqSpec, TableAttention
 from strata.kv.formats import make_format
 from strata.kv.pool import KvPool
 from strata.models import LoadedModel, load_model

@@ -1,4 +1,4 @@
-"""Streamed K/V on the GPU (kv/gpu_stream.py): the stream and event ordering, against resident decode.
+"""Streamed K/V on the GPU (attention/triton_stream.py): the stream and event ordering, against resident decode.
 
 A cache far smaller than the contexts forces misses, evictions and scratch
 reads in every layer of every step, so any missing wait shows: the compute
@@ -8,7 +8,7 @@ the bits of the same kernels over a resident pool, step after step, in bf16
 and k8v4, with overlap on and off; the slow variants stretch the copies or
 the compute with `torch.cuda._sleep` to widen every race window. Both copy
 paths run: the gather kernel (one launch per layer reading the pinned host
-store in place, kv/triton/gather.py) and the `copy_` fallback. Skips
+store in place, kernels/triton/gather.py) and the `copy_` fallback. Skips
 without CUDA.
 """
 
@@ -21,10 +21,10 @@ if not torch.cuda.is_available():
     pytest.skip("needs a CUDA device", allow_module_level=True)
 pytest.importorskip("triton")
 
-from strata.kv.attention import SeqSpec
+from strata.attention.reference import SeqSpec
 from strata.kv.formats import make_format
-from strata.kv.gpu_attention import GpuTableAttention
-from strata.kv.gpu_stream import GpuStreamAttention, StreamState, state_of, stream_context
+from strata.attention.triton_pool import GpuTableAttention
+from strata.attention.triton_stream import GpuStreamAttention, StreamState, state_of, stream_context
 from strata.kv.pool import KvPool
 from strata.kv.stream import StreamStore, streamed_pool
 
@@ -125,7 +125,7 @@ def test_ordering_holds_when_one_stream_lags(fmt: str, slow: str, gather: bool) 
 def test_gather_reads_the_pinned_store_in_place(fmt: str) -> None:
     """One gather launch on a side stream copies blocks of pinned host memory into device memory
     bit for bit (the 8B shapes: 64-cell blocks, 8 KV heads of 128)."""
-    from strata.kv.triton.gather import block_words, default_programs, gather_blocks
+    from strata.kernels.triton.gather import block_words, default_programs, gather_blocks
 
     f = make_format(fmt, HKV, D)
     host = f.allocate(64 * BLOCK, "cpu", pin=True)

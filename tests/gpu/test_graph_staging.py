@@ -9,10 +9,10 @@ from __future__ import annotations
 
 import torch
 
-from strata.kv.attention import SeqSpec
+from strata.attention.reference import SeqSpec
 from strata.kv.formats import make_format
 from strata.kv.pool import KvPool
-from strata.kv.triton.graphs import DecodeGraphs, _Entry
+from strata.engine.graphs import DecodeGraphs, _Entry
 
 
 class _NoEvent:

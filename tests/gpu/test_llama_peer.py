@@ -14,14 +14,14 @@ from pathlib import Path
 
 import pytest
 
-from strata.bench.gpu_bench import ratios
+from benchmarks.gpu_bench import ratios
 from strata.bench.peers import (
     llama_batched_bench_gpu,
     llama_bench_gpu,
     parse_batched_bench,
     parse_llama_bench,
 )
-from strata.gpu.llama_build import CMAKE_OPTIONS, TARGETS, build_command, make_bundle
+from tools.llama_build import CMAKE_OPTIONS, TARGETS, build_command, make_bundle
 
 DATA = Path(__file__).parent / "data"
 

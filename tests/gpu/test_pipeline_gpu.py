@@ -2,7 +2,7 @@
 
 A tiny random llama (tests/tiny_llama.py) with the default model's tokenizer, which comes
 from the embedded model or from STRATA_GPU_TOKENIZER (a GGUF holding it, such as the one
-`python -m strata.bench.synth OUT --tokenizer-only` writes).
+`python -m tools.synth OUT --tokenizer-only` writes).
 """
 
 from __future__ import annotations

@@ -4,7 +4,7 @@ Catches what only the device would otherwise show: a Triton pass that
 rejects a kernel, register spills in the decode and write kernels, and the
 write kernels' arithmetic (IEEE division, no fused multiply-adds, kept
 round-to-nearest-even additions) that makes them bit-identical to torch;
-the same for the row-wise kernels of `strata/gpu/fused.py`.
+the same for the row-wise kernels of `strata/kernels/triton/fused.py`.
 """
 
 from __future__ import annotations
@@ -18,15 +18,15 @@ import re
 import torch
 import triton
 
-from strata.gpu import fused
+from strata.kernels.triton import fused
 from strata.kv.formats import make_format
 from strata.kv.pool import KvPool
-from strata.kv.triton import decode
-from strata.kv.triton.cells import Q40_VARIANTS
-from strata.kv.triton.decode import DecodeBatch, decode_attention
-from strata.kv.triton.layout import halves
-from strata.kv.triton.prefill import PrefillBatch, prefill_attention
-from strata.kv.triton.write import write_plain, write_quantized
+from strata.kernels.triton import decode
+from strata.kernels.triton.cells import Q40_VARIANTS
+from strata.kernels.triton.decode import DecodeBatch, decode_attention
+from strata.attention.layout import halves
+from strata.kernels.triton.prefill import PrefillBatch, prefill_attention
+from strata.kernels.triton.write import write_plain, write_quantized
 from tests.gpu.sm90 import compile_sm90, launches
 
 if os.environ.get("TRITON_INTERPRET") == "1" or torch.cuda.is_available():

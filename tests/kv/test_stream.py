@@ -15,7 +15,7 @@ from dataclasses import dataclass
 import pytest
 import torch
 
-from strata.kv.attention import SeqSpec, TableAttention
+from strata.attention.reference import SeqSpec, TableAttention
 from strata.kv.formats import FORMAT_NAMES, Storage, make_format
 from strata.kv.pool import KvPool
 from strata.kv.stream import StreamStore, streamed_pool

@@ -6,7 +6,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from strata.kv.cpu_kernel import cpu_kernel
+from strata.kernels.cpu.loader import cpu_kernel
 from strata.models import ops
 
 DTYPES = [torch.bfloat16, torch.float32, torch.float16]

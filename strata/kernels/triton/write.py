@@ -19,8 +19,8 @@ import torch
 import triton
 import triton.language as tl
 
-from strata.kv.triton.cells import INT8, Q4_0
-from strata.kv.triton.layout import Half
+from strata.kernels.triton.cells import INT8, Q4_0
+from strata.kernels.triton.half import Half
 
 
 @triton.jit

@@ -1,6 +1,6 @@
 """What each `--kv` format costs in quality, measured on the default model (JSON).
 
-    python -m strata.bench.kv_quality [--tokens 2048] [--chunk 256] [--greedy 200] [--threads 1]
+    python -m benchmarks.kv_quality [--tokens 2048] [--chunk 256] [--greedy 200] [--threads 1]
 
 - perplexity on a real English text (GPL-3, read in chunks the way prompts are
   read) for every format, fp32 cells as the base;
@@ -25,10 +25,10 @@ from typing import Any
 import torch
 
 from strata.bench.report import emit
-from strata.kv.attention import SeqSpec, TableAttention
+from strata.attention.reference import SeqSpec, TableAttention
 from strata.kv.formats import FORMAT_NAMES, K8V4Format, KvFormat, make_format
 from strata.kv.pool import KvPool
-from strata.kv.quality import format_error
+from benchmarks.quality import format_error
 
 TEXT = "/usr/share/common-licenses/GPL-3"
 NAMES = FORMAT_NAMES + ("k8v4_norot",)

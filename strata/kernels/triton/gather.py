@@ -1,7 +1,7 @@
 """Copying a layer's missed blocks host -> device cache in one launch (zero-copy reads of pinned memory).
 
 A streamed step copies every missed block of a layer from the pinned host
-store into the device block cache (kv/gpu_stream.py). One `copy_` per run of
+store into the device block cache (attention/triton_stream.py). One `copy_` per run of
 blocks costs several microseconds of host time each and a step issues
 thousands; this kernel does a layer's copies in ONE launch: it reads the
 pinned host store directly, through unified virtual addressing (a pinned

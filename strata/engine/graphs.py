@@ -20,8 +20,8 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from strata.kv.attention import SeqSpec
-from strata.kv.gpu_attention import GpuTableAttention
+from strata.attention.reference import SeqSpec
+from strata.attention.triton_pool import GpuTableAttention
 from strata.kv.pool import KvPool
 
 # Padded lane counts: powers of two, then steps of 16 (a decode step's cost grows slowly with lanes).

@@ -1,6 +1,6 @@
 """Decode speed with KV streaming (`--kv-resident`) against everything resident (JSON).
 
-    python -m strata.bench.stream_bench [--contexts 512,2048,8000] [--resident 2048]
+    python -m benchmarks.stream_bench [--contexts 512,2048,8000] [--resident 2048]
         [--block 64] [--kv bf16] [--steps 16] [--threads 1] [--attention-only] [--device cpu]
 
 For each context length one lane decodes with its first `context` positions
@@ -28,7 +28,7 @@ from typing import Any
 import torch
 
 from strata.bench.report import emit
-from strata.kv.attention import SeqSpec, TableAttention
+from strata.attention.reference import SeqSpec, TableAttention
 from strata.kv.formats import make_format
 from strata.kv.pool import KvPool
 from strata.kv.stream import StreamStore, streamed_pool
@@ -139,7 +139,7 @@ def run(contexts: list[int], resident: int, block: int, kv: str, warm: int, step
         step = attention_step(shape, device)
         result["what"] = "attention only, default model's shape, random q/k/v"
     else:
-        from strata.bench.kv_quality import load
+        from benchmarks.kv_quality import load
 
         loaded = load()
         cfg = loaded.config

@@ -17,7 +17,7 @@ import torch
 import triton
 import triton.language as tl
 
-from strata.kv.triton.cells import (
+from strata.kernels.triton.cells import (
     INT8,
     Q4_0,
     Q40_MAXNREG,
@@ -35,7 +35,7 @@ from strata.kv.triton.cells import (
     select_blocks,
     tile_dims,
 )
-from strata.kv.triton.layout import Half
+from strata.kernels.triton.half import Half
 
 LOG2E = 1.4426950408889634
 BLOCK_N = 64
@@ -58,7 +58,7 @@ class DecodeConfig:
     lane_split: bool = True
 
 
-# (K kind, V kind) -> config; `strata.bench.gpu_bench --sweep-decode` times alternatives.
+# (K kind, V kind) -> config; `benchmarks.gpu_bench --sweep-decode` times alternatives.
 # int8: 128-position tiles, measured best of the sweep on the H200 (2026-11-30): 40.3 us for
 # one lane at 32,768 cells (bf16: 40.8) and 208 us for 64 lanes at 4,096 (bf16: 262), against
 # 47.8 and 384 us with 64-position tiles and three programs per multiprocessor.

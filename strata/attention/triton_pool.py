@@ -15,15 +15,15 @@ import weakref
 
 import torch
 
-from strata.kv.attention import SeqSpec, TableAttention
+from strata.attention.reference import SeqSpec, TableAttention
 from strata.kv.formats import K8V4Format, PlainFormat
 from strata.kv.pool import KvPool
 
 try:  # the CPU path must not need Triton
-    from strata.kv.triton.decode import DecodeBatch, decode_attention
-    from strata.kv.triton.layout import Half, halves, supported
-    from strata.kv.triton.prefill import PrefillBatch, prefill_attention, query_blocks
-    from strata.kv.triton.write import write_plain, write_quantized
+    from strata.kernels.triton.decode import DecodeBatch, decode_attention
+    from strata.attention.layout import Half, halves, supported
+    from strata.kernels.triton.prefill import PrefillBatch, prefill_attention, query_blocks
+    from strata.kernels.triton.write import write_plain, write_quantized
 
     HAVE_TRITON = True
 except ImportError:  # pragma: no cover - depends on the installation

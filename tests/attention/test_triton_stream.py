@@ -1,4 +1,4 @@
-"""Streamed attention on the Triton kernels (kv/gpu_stream.py): host-side planning and kernels.
+"""Streamed attention on the Triton kernels (attention/triton_stream.py): host-side planning and kernels.
 
 The host-side tests (translated tables, every layer's residency at once, the
 copies, write-behind) need neither a GPU nor Triton. The kernel tests run
@@ -23,11 +23,11 @@ if HAVE_TRITON:  # before Triton is imported: the interpreter is chosen then
 else:
     INTERPRET = False
 
-from strata.kv.attention import SeqSpec, TableAttention
+from strata.attention.reference import SeqSpec, TableAttention
 from strata.kv.formats import make_format
 from strata.kv.pool import KvPool
 from strata.kv.stream import GATHER_ENV, OVERLAP_ENV, StreamStore, streamed_pool
-from strata.kv.gpu_stream import StreamState, _Behind, coalesce, plan_step, state_of, stream_context
+from strata.attention.triton_stream import StreamState, _Behind, coalesce, plan_step, state_of, stream_context
 from tests.kv.test_stream import _one_thread  # noqa: F401 - autouse: one torch thread here too
 
 HQ, HKV, D = 4, 2, 32
@@ -211,8 +211,8 @@ def _run_steps(fmt: str, overlap: bool, steps: int, device: str, resident: int =
                seed: int = 0, gather: bool | None = None) -> None:
     """Prompts, then decode steps: streamed kernels == resident kernels bit for bit; the torch
     reference over a streamed pool close; host store == resident pool after settling."""
-    from strata.kv.gpu_attention import GpuTableAttention
-    from strata.kv.gpu_stream import GpuStreamAttention
+    from strata.attention.triton_pool import GpuTableAttention
+    from strata.attention.triton_stream import GpuStreamAttention
 
     args = (make_format(fmt, HKV, D), LAYERS, SESSIONS, MAX_CONTEXT, CHUNK, 8 * CHUNK)
     res = KvPool(*args, device=device)
@@ -274,7 +274,7 @@ def test_gather_kernel_copies_blocks_exactly(fmt: str, heads: int, dim: int, blo
     both sides are CPU tensors. Small tiles split a block into several, with
     a partial last tile; fewer programs than items make each loop.
     """
-    from strata.kv.triton.gather import MAX_RUNS, block_words, gather_blocks
+    from strata.kernels.triton.gather import MAX_RUNS, block_words, gather_blocks
 
     dev = KERNEL_DEV
     f = make_format(fmt, heads, dim)

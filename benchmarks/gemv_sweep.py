@@ -1,4 +1,4 @@
-"""Launch shapes of the one-row kernels (`strata/gpu/gemv.py`) against cuBLAS, on the GPU (JSON).
+"""Launch shapes of the one-row kernels (`strata/kernels/triton/gemv.py`) against cuBLAS, on the GPU (JSON).
 
 For each matrix of a one-lane decode step (the Llama-3.1-8B shape by
 default) it times the fused kernel under every config of a grid, and the
@@ -8,7 +8,7 @@ graph that runs the op over enough copies of the weight (2 GiB) that none
 of them is in L2, as in a real step; the time per op includes the gaps
 between kernels a decode graph also has.
 
-    python -m strata.bench.gemv_sweep --out gemv.json
+    python -m benchmarks.gemv_sweep --out gemv.json
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from strata.gpu import fused, gemv
+from strata.kernels.triton import fused, gemv
 
 EPS = 1e-5
 GRID = {"block_n": (1, 2, 4, 8), "block_k": (512, 1024), "warps": (4, 8), "stages": (1,)}  # stages 3: no change

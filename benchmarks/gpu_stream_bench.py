@@ -1,10 +1,10 @@
 """Decode with streamed K/V (`--kv-resident`) on the GPU: overlap on, overlap off, fully resident (JSON).
 
-    python -m strata.bench.gpu_stream_bench MODEL.gguf [--lanes 1,4] [--contexts 8192,32768]
+    python -m benchmarks.gpu_stream_bench MODEL.gguf [--lanes 1,4] [--contexts 8192,32768]
         [--resident 4096] [--warm 2] [--steps 8] [--kv auto] [--modes ...] [--out result.json]
 
 Through `strata.engine.Engine` on one GGUF file (the 8B-shaped random file of
-`strata.bench.synth`): for each lane count and context, the lanes' first
+`tools.synth`): for each lane count and context, the lanes' first
 `context` positions hold random K/V (written straight into the pool, so no
 long prompt is read: decode speed does not depend on the values), then
 `steps` decode steps of all lanes are timed through the engine's runner
@@ -16,7 +16,7 @@ step), after `warm` untimed ones. Modes (`--modes`), over three pools:
 - `resident_graphs`: the same pool through the engine's CUDA graphs (what a
   resident engine really does; the streamed path has no graphs);
 - `overlap`: `--kv-resident N`, each layer's misses copied by one gather launch
-  (kv/triton/gather.py) on the copy stream while earlier layers compute;
+  (kernels/triton/gather.py) on the copy stream while earlier layers compute;
 - `no_overlap`: the same pool and launches, each layer's misses copied, then
   waited for (same host cost as `overlap`: only the device-side waits differ);
 - `overlap_copy`, `no_overlap_copy`: the same with the `copy_` fallback (one
@@ -45,8 +45,8 @@ import torch
 
 from strata.engine.config import EngineConfig
 from strata.engine.engine import Engine
-from strata.kv.attention import SeqSpec
-from strata.kv.gpu_stream import state_of
+from strata.attention.reference import SeqSpec
+from strata.attention.triton_stream import state_of
 from strata.kv.pool import KvPool
 from strata.kv.stream import StreamStore
 
@@ -163,7 +163,7 @@ def main(argv: list[str] | None = None) -> int:
     bad = [m for m in modes if m not in MODES]
     if bad:
         p.error(f"unknown modes {bad}: pick from {MODES}")
-    from strata.bench.gpu_bench import attach_tokenizer
+    from benchmarks.gpu_bench import attach_tokenizer
     from strata.models import load_model
 
     t_start = time.perf_counter()

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from strata.kv.attention import SeqSpec, TableAttention
+from strata.attention.reference import SeqSpec, TableAttention
 from strata.kv.formats import make_format
 from strata.kv.pool import KvPool
 

@@ -17,7 +17,7 @@ One step (`GpuStreamAttention`):
 2. the misses of layer L (admitted blocks into their slots, overflow blocks
    into a scratch region) are copied straight from the pinned host store on
    a copy stream, by ONE gather launch per layer that reads the pinned store
-   in place (kv/triton/gather.py; its (source, destination) block pairs came
+   in place (kernels/triton/gather.py; its (source, destination) block pairs came
    with the step's metadata), or, as the fallback, one `copy_` per run of
    consecutive blocks; one event per layer; the compute stream waits on layer L's event only right before
    layer L's write. With `store.overlap` the copies of layer L are enqueued
@@ -42,18 +42,18 @@ from functools import cached_property
 import numpy as np
 import torch
 
-from strata.kv.attention import SeqSpec, TableAttention
+from strata.attention.reference import SeqSpec, TableAttention
 from strata.kv.formats import K8V4Format, PlainFormat, Storage
 from strata.kv.pool import KvPool
 from strata.kv.stream import StreamStore
 
 try:  # the CPU path must not need Triton
-    from strata.kv.gpu_attention import _sms
-    from strata.kv.triton.decode import DecodeBatch, decode_attention
-    from strata.kv.triton.gather import MAX_RUNS, block_words, default_programs, gather_blocks
-    from strata.kv.triton.layout import halves, supported
-    from strata.kv.triton.prefill import PrefillBatch, prefill_attention, query_blocks
-    from strata.kv.triton.write import write_plain, write_quantized
+    from strata.attention.triton_pool import _sms
+    from strata.kernels.triton.decode import DecodeBatch, decode_attention
+    from strata.kernels.triton.gather import MAX_RUNS, block_words, default_programs, gather_blocks
+    from strata.attention.layout import halves, supported
+    from strata.kernels.triton.prefill import PrefillBatch, prefill_attention, query_blocks
+    from strata.kernels.triton.write import write_plain, write_quantized
 
     HAVE_TRITON = True
 except ImportError:  # pragma: no cover - depends on the installation

@@ -14,7 +14,7 @@ import torch
 import triton
 import triton.language as tl
 
-from strata.kv.triton.cells import (
+from strata.kernels.triton.cells import (
     accumulate,
     cells_of,
     hadamard_columns,
@@ -22,8 +22,8 @@ from strata.kv.triton.cells import (
     scores,
     tile_dims,
 )
-from strata.kv.triton.decode import LOG2E
-from strata.kv.triton.layout import Half
+from strata.kernels.triton.decode import LOG2E
+from strata.kernels.triton.half import Half
 
 BLOCK_M = 64
 BLOCK_N = 64

@@ -5,7 +5,7 @@ positions [start, start + n) of a session. `TableAttention` writes their K/V
 into the pool and computes causal grouped-query attention over each
 sequence's cells [0, start + n), gathered through its chunk table.
 
-On the CPU the rows go to the C++ kernel (`cpu_kernel.py`), which computes
+On the CPU the rows go to the C++ kernel (`strata/kernels/cpu/loader.py`), which computes
 each query row by itself and so is exact by construction; it needs none of
 the machinery below. The torch path (the reference, the oracle for the GPU
 kernels, and the path wherever the kernel is not built) is exact this way:
@@ -23,7 +23,7 @@ from dataclasses import dataclass
 
 import torch
 
-from strata.kv.cpu_kernel import cpu_kernel
+from strata.kernels.cpu.loader import cpu_kernel
 from strata.kv.formats import PlainFormat
 from strata.kv.pool import KvPool
 

@@ -6,10 +6,10 @@ prompt, then all decode together), prompt tokens/s for one lane, the
 bandwidth limit of one lane (weight bytes over the measured copy bandwidth),
 and a torch profiler summary of single decode steps, so a missed target
 comes with where the time goes. Given llama.cpp's tools (built with CUDA,
-`strata.gpu.llama_build`), it runs them on the same file in the same run and
+`tools.llama_build`), it runs them on the same file in the same run and
 reports Strata / llama.cpp for each figure.
 
-    python -m strata.bench.gpu_bench MODEL.gguf --out result.json --profile-out profile.txt \
+    python -m benchmarks.gpu_bench MODEL.gguf --out result.json --profile-out profile.txt \
         --llama-bench PATH --llama-batched-bench PATH
 """
 
@@ -25,11 +25,11 @@ from typing import Any
 
 import torch
 
-from strata.bench.main import _prompt
+from strata.bench.main import synthetic_prompt
 from strata.engine.config import EngineConfig
 from strata.engine.engine import Engine
 from strata.engine.types import SamplingParams
-from strata.kv.attention import SeqSpec
+from strata.attention.reference import SeqSpec
 
 
 def copy_bandwidth(device: torch.device, gib: float = 2.0, reps: int = 20) -> float:
@@ -66,7 +66,7 @@ def use_gpu_attention(engine: Engine) -> str:
     module, which is redirected.
     """
     from strata.engine import runner as runner_module
-    from strata.kv.gpu_attention import context_class
+    from strata.attention.triton_pool import context_class
 
     for attr in ("context", "context_class"):
         chosen = getattr(engine.runner, attr, None)
@@ -93,13 +93,13 @@ def use_decode_graphs(engine: Engine, graphs: Any = None) -> Any:
         return runner.graphs
     if hasattr(runner, "graphs"):  # the hooked runner: its forward replays whatever it holds
         if graphs is None:
-            from strata.kv.triton.graphs import DecodeGraphs
+            from strata.engine.graphs import DecodeGraphs
 
             graphs = DecodeGraphs(runner.model, engine.pool, runner.num_heads, runner.scale,
                                   runner.dtype)
         runner.graphs = graphs
         return graphs
-    from strata.kv.triton.graphs import DecodeGraphs
+    from strata.engine.graphs import DecodeGraphs
 
     graphs = DecodeGraphs(runner.model, engine.pool, runner.num_heads, runner.scale, runner.dtype)
     eager = runner.forward
@@ -127,7 +127,7 @@ def decode_run(engine: Engine, lanes: int, prompt_tokens: int, gen_tokens: int, 
     """
     vocab = engine.model_config.vocab_size
     params = SamplingParams(max_tokens=gen_tokens, ignore_eos=True)
-    prompts = [_prompt(vocab, prompt_tokens, salt + i) for i in range(lanes)]
+    prompts = [synthetic_prompt(vocab, prompt_tokens, salt + i) for i in range(lanes)]
     sched = engine.scheduler
     budget = sched.prefill_chunk
 
@@ -176,7 +176,7 @@ def prompt_run(engine: Engine, prompt_tokens: int, salt: int, reps: int = 5) -> 
     vocab = engine.model_config.vocab_size
     times = []
     for i in range(reps):
-        prompt = _prompt(vocab, prompt_tokens, salt + 7919 * i)
+        prompt = synthetic_prompt(vocab, prompt_tokens, salt + 7919 * i)
         t0 = time.perf_counter()
         engine.complete(prompt, SamplingParams(max_tokens=1, ignore_eos=True))
         times.append(time.perf_counter() - t0)
@@ -193,7 +193,7 @@ def batch_company(engine: Engine, sizes: list[int], prompt_tokens: int, gen_toke
     """
     vocab = engine.model_config.vocab_size
     params = SamplingParams(max_tokens=gen_tokens, ignore_eos=True)
-    prompts = [_prompt(vocab, prompt_tokens, 700_000 + i) for i in range(max(sizes))]
+    prompts = [synthetic_prompt(vocab, prompt_tokens, 700_000 + i) for i in range(max(sizes))]
 
     def together(batch: list[list[int]]) -> list[list[int]]:
         handles = engine.call(lambda: [engine.generate(p, params) for p in batch]).result()
@@ -276,7 +276,7 @@ def attention_run(fmt_name: str, lanes: int, context: int, device: torch.device,
     replayed from a CUDA graph so that it is device time, not launch cost.
     """
     from strata.kv.formats import make_format
-    from strata.kv.gpu_attention import GpuTableAttention
+    from strata.attention.triton_pool import GpuTableAttention
     from strata.kv.pool import KvPool
 
     fmt = make_format(fmt_name, kv_heads, head_dim)
@@ -316,8 +316,8 @@ def sweep_decode(fmt_name: str, device: torch.device, shapes: tuple[tuple[int, i
     """Decode attention alone under every launch config of `decode.CONFIGS`' search space."""
     import itertools
 
-    from strata.kv.triton import decode
-    from strata.kv.triton.layout import halves
+    from strata.kernels.triton import decode
+    from strata.attention.layout import halves
 
     rows = []
     fmt_halves = None

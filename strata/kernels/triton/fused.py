@@ -6,7 +6,7 @@ RoPE's roll, multiplies and add, SiLU times up, and the copies that make q,
 k and v contiguous. Each function here is one launch.
 
 The arithmetic is that of the torch expressions in `ops.py` (and of the CPU
-kernels in `kv/csrc/elementwise.cpp`): every intermediate torch rounds to
+kernels in `kernels/cpu/csrc/elementwise.cpp`): every intermediate torch rounds to
 the compute dtype is rounded here too, products and sums are separate
 float32 operations (launched with `enable_fp_fusion=False`, so no fused
 multiply-adds), divisions and square roots are IEEE (`div_rn`, `sqrt_rn`).
@@ -19,17 +19,17 @@ Each program works on one row (or a tile of one row) with tile sizes and
 warp counts chosen from the row length only, so a row's result never
 depends on how many rows there are. Nothing here synchronizes with the
 host: the functions allocate their outputs with torch and launch, which is
-what CUDA-graph capture (`kv/triton/graphs.py`) needs.
+what CUDA-graph capture (`engine/graphs.py`) needs.
 """
 
 from __future__ import annotations
 
-import os
 
 import torch
 import triton
 import triton.language as tl
-from triton.language.extra import libdevice
+
+from strata.kernels.triton.numerics import exp
 
 DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 NORM_BLOCK = 8192  # the longest row a norm holds in registers; longer ones go in tiles of this
@@ -37,17 +37,6 @@ SILU_BLOCK = 1024  # elements of one SiLU program
 ROPE_TILE = 1024  # elements (heads x padded head_dim) of one RoPE program
 
 
-@triton.jit
-def _exp_libdevice(x):
-    return libdevice.exp(x)  # CUDA's expf, as torch's SiLU calls it (tl.exp is ex2.approx)
-
-
-@triton.jit
-def _exp_numpy(x):
-    return tl.exp(x)  # the interpreter has no libdevice
-
-
-_exp = _exp_numpy if os.environ.get("TRITON_INTERPRET") == "1" else _exp_libdevice
 
 
 def takes(*tensors: torch.Tensor) -> bool:
@@ -194,7 +183,7 @@ def _silu_mul_kernel(gate_up, out, I: tl.constexpr, BLOCK: tl.constexpr):
     dt = g.dtype
     g = g.to(tl.float32)
     up = tl.load(src + I + j, mask=mask, other=0.0).to(tl.float32)
-    silu = tl.math.div_rn(g, 1.0 + _exp(-g)).to(dt).to(tl.float32)  # x / (1 + exp(-x)), rounded
+    silu = tl.math.div_rn(g, 1.0 + exp(-g)).to(dt).to(tl.float32)  # x / (1 + exp(-x)), rounded
     tl.store(out + row * I + j, (silu * up).to(dt), mask=mask)
 
 

@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from strata.kv.attention import SeqSpec, TableAttention
-from strata.kv.cpu_kernel import cpu_kernel
+from strata.attention.reference import SeqSpec, TableAttention
+from strata.kernels.cpu.loader import cpu_kernel
 from strata.kv.formats import make_format
 from strata.kv.pool import KvPool
 

@@ -16,7 +16,7 @@ each product carries its neighbours:
   which rotates them (RoPE), so the RoPE kernel disappears;
 - `bias`: q/k/v biases (Qwen2).
 
-The rounding is that of the unfused ops (`models/ops.py`, `gpu/fused.py`):
+The rounding is that of the unfused ops (`models/ops.py`, `kernels/triton/fused.py`):
 the normalised row is rounded to the dtype before and after the weight, the
 product is rounded before the residual add, silu(gate) is rounded before
 the multiply with up. The dot products accumulate in float32 in a fixed
@@ -38,7 +38,7 @@ import torch
 import triton
 import triton.language as tl
 
-from strata.gpu.fused import _exp
+from strata.kernels.triton.numerics import exp
 
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 try:  # programmatic dependent launch (Hopper and later; Triton 3.6)
@@ -60,7 +60,7 @@ DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 NORM_MAX = 16384  # the longest input row a program normalises in one tile
 MIN_BLOCK_K = 16  # rows must be a multiple of this (every model here: 576, 960, 4096 ...)
 # (N, K) -> (BLOCK_N, BLOCK_K, num_warps, num_stages) for the Llama-3.1-8B shapes, the fastest
-# of `python -m strata.bench.gemv_sweep` on an H200 (docs/GPU.md); N counts gate rows only for
+# of `python -m benchmarks.gemv_sweep` on an H200 (docs/GPU.md); N counts gate rows only for
 # gate/up. Other shapes take the rule in `config`.
 CONFIGS: dict[tuple[int, int], tuple[int, int, int, int]] = {
     (6144, 4096): (4, 1024, 4, 1),  # q/k/v (with RoPE: 2 rows and their 2 partners)
@@ -161,7 +161,7 @@ def _gemv_kernel(
             y2 += tl.load(bias + rows_c + half).to(tl.float32)
         y2 = y2.to(dt).to(tl.float32)
     if SILU:
-        y = tl.math.div_rn(y, 1.0 + _exp(-y)).to(dt).to(tl.float32) * y2
+        y = tl.math.div_rn(y, 1.0 + exp(-y)).to(dt).to(tl.float32) * y2
     if ROPE:  # q and k heads: x * cos + roll(x, D/2) * sin, each product rounded (fused.rope_qkv)
         d = rows_c % HEAD_D
         lo_c = tl.load(cos + d).to(tl.float32)

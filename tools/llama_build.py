@@ -12,8 +12,8 @@ instead of llama.cpp's default list, flash-attention kernels for f16 K/V only
 (the tools' default cache type) instead of four type pairs, no NCCL, no
 tests, examples, server or app, Ninja with every core.
 
-    python -m strata.gpu.llama_build bundle VENDORED_LLAMA_CPP_DIR .lcpp/llama-src.tar.gz
-    python -m strata.gpu.llama_build command .lcpp/llama-src.tar.gz .lcpp   # prints the shell line
+    python -m tools.llama_build bundle VENDORED_LLAMA_CPP_DIR .lcpp/llama-src.tar.gz
+    python -m tools.llama_build command .lcpp/llama-src.tar.gz .lcpp   # prints the shell line
 """
 
 from __future__ import annotations

@@ -1,0 +1,1 @@
+"""Helpers that are not part of the product: synthetic GGUF files, llama.cpp builds."""
