@@ -27,9 +27,7 @@ import os
 import triton
 import triton.language as tl
 
-PLAIN = 0  # values stored as they are (fp32 / fp16 / bf16)
-INT8 = 1  # int8 codes [cells, Hkv, D] with float32 scales [cells, Hkv]
-Q4_0 = 2  # ggml Q4_0 blocks [cells, Hkv, D/32, 18] (float16 d, then 16 bytes of nibbles)
+from strata.kernels.triton.half import INT8, PLAIN, Q4_0  # noqa: F401 - the kernels' constants
 
 # How the decode kernel reads Q4_0 tiles (`STRATA_Q40_VARIANT`, read once; the candidates are
 # timed on the device, then the losers go):

@@ -1,5 +1,8 @@
 """K or V of one layer as the attention kernels read it: one of three encodings, two tensors.
 
+No Triton here: the selection rule (attention/select.py) asks which formats
+the kernels read on machines without Triton too.
+
 The formats that produce these views live in `strata/kv/formats.py`;
 `strata/attention/layout.py` maps a format's named runs onto them.
 """
@@ -10,7 +13,9 @@ from dataclasses import dataclass
 
 import torch
 
-from strata.kernels.triton.cells import INT8, PLAIN, Q4_0
+PLAIN = 0  # values stored as they are (fp32 / fp16 / bf16)
+INT8 = 1  # int8 codes [cells, Hkv, D] with float32 scales [cells, Hkv]
+Q4_0 = 2  # ggml Q4_0 blocks [cells, Hkv, D/32, 18] (float16 d, then 16 bytes of nibbles)
 
 
 @dataclass(frozen=True)
