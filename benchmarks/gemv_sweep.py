@@ -17,7 +17,6 @@ import argparse
 import itertools
 import json
 import math
-import os
 import sys
 from collections.abc import Callable
 from typing import Any
@@ -25,7 +24,10 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from strata.kernels.triton import fused, gemv
+try:  # the arguments parse without Triton (a CPU machine); the sweep itself needs it and CUDA
+    from strata.kernels.triton import fused, gemv
+except ImportError:
+    fused = gemv = None  # type: ignore[assignment]
 
 EPS = 1e-5
 GRID = {"block_n": (1, 2, 4, 8), "block_k": (512, 1024), "warps": (4, 8), "stages": (1,)}  # stages 3: no change
@@ -87,20 +89,16 @@ def sweep_matrix(name: str, n: int, k: int, ops: str, gib: float = 2.0) -> dict[
     row["cublas_us"] = _time(lambda i: F.linear(x, w[i]), copies)
     row["unfused_us"] = _time(unfused, copies)
     configs = []
-    try:
-        for bn, bk, warps, stages in itertools.product(*GRID.values()):
-            if k % bk:
-                continue
-            os.environ["STRATA_GEMV_CONFIG"] = f"{bn},{bk},{warps},{stages}"
-            try:
-                us = _time(lambda i: gemv.gemv(x, w[i], **kw), copies)
-            except Exception as e:  # noqa: BLE001 - a config that fails is a result
-                us = float("nan")
-                print(f"{name} {bn},{bk},{warps},{stages}: {type(e).__name__}: {str(e)[:100]}",
-                      file=sys.stderr)
-            configs.append({"config": [bn, bk, warps, stages], "us": us})
-    finally:
-        os.environ.pop("STRATA_GEMV_CONFIG", None)
+    for cfg in itertools.product(*GRID.values()):
+        if k % cfg[1]:
+            continue
+        try:
+            us = _time(lambda i: gemv.gemv(x, w[i], config=cfg, **kw), copies)
+        except Exception as e:  # noqa: BLE001 - a config that fails is a result
+            us = float("nan")
+            print(f"{name} {','.join(map(str, cfg))}: {type(e).__name__}: {str(e)[:100]}",
+                  file=sys.stderr)
+        configs.append({"config": list(cfg), "us": us})
     good = [c for c in configs if c["us"] == c["us"]]
     best = min(good, key=lambda c: c["us"]) if good else None
     row["configs"] = configs
@@ -138,6 +136,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--only", default="", help="comma-separated names: qkv,o,gate_up,down,head")
     p.add_argument("--out", default=None)
     a = p.parse_args(argv)
+    if gemv is None or not torch.cuda.is_available():
+        p.error("the sweep needs Triton and a CUDA device")
     res = sweep(a.hidden, a.intermediate, a.qkv, a.vocab, only=a.only)
     text = json.dumps(res, indent=1)
     if a.out:

@@ -12,51 +12,57 @@ Triton, or with STRATA_GPU_FUSED=0, to torch). All compute every row by itself.
 from __future__ import annotations
 
 import functools
-import importlib
-import os
-from typing import Any
+from types import ModuleType
 
 import torch
 import torch.nn.functional as F
 
 from strata.kernels.cpu.loader import cpu_kernel
+from strata.knobs import flag
 
-
-def _kernel(x: torch.Tensor) -> Any | None:
-    return cpu_kernel() if x.device.type == "cpu" else None
+try:  # the CPU machines and CI have no Triton: CUDA tensors then take the torch expressions
+    from strata.kernels.triton import fused, gemv
+except ImportError:
+    fused = gemv = None  # type: ignore[assignment]
 
 
 @functools.cache
-def _gpu_module(name: str, switch: str) -> Any | None:
-    """`strata.gpu.<name>` (imports Triton), or None without Triton or with <switch>=0."""
-    if os.environ.get(switch, "1") == "0":
+def _switched_on(name: str) -> bool:
+    """A knob read once: the ops below run several times a layer and step."""
+    return flag(name)
+
+
+def cpu_kernels(x: torch.Tensor) -> ModuleType | None:
+    """The C++ kernels for a CPU tensor (None: another device, not built, STRATA_CPU_KERNEL=0)."""
+    return cpu_kernel() if x.device.type == "cpu" else None
+
+
+def fused_kernels(x: torch.Tensor) -> ModuleType | None:
+    """The Triton row-wise kernels (`kernels/triton/fused.py`) for a CUDA tensor (None: another
+    device, no Triton, STRATA_GPU_FUSED=0 keeps the torch expressions)."""
+    if fused is None or not x.is_cuda or not _switched_on("STRATA_GPU_FUSED"):
         return None
-    try:
-        return importlib.import_module(f"strata.gpu.{name}")
-    except ImportError:
+    return fused
+
+
+def gemv_kernels() -> ModuleType | None:
+    """The one-row products (`kernels/triton/gemv.py`) (None: no Triton, STRATA_GPU_GEMV=0 keeps
+    cuBLAS and separate ops)."""
+    if gemv is None or not _switched_on("STRATA_GPU_GEMV"):
         return None
+    return gemv
 
 
-def _fused_kernels() -> Any | None:
-    """The row-wise kernels (`kernels/triton/fused.py`); STRATA_GPU_FUSED=0 keeps the torch expressions."""
-    return _gpu_module("fused", "STRATA_GPU_FUSED")
-
-
-def _gemv_kernels() -> Any | None:
-    """The one-row products (`kernels/triton/gemv.py`); STRATA_GPU_GEMV=0 keeps cuBLAS and separate ops."""
-    return _gpu_module("gemv", "STRATA_GPU_GEMV")
-
-
-def row_kernels(h: torch.Tensor, *linears: torch.nn.Module) -> Any | None:
-    """`strata.kernels.triton.gemv` when h is one CUDA row that its kernels take against every linear's
-    weight (plain weights, not quantized modules), else None.
+def row_kernels(h: torch.Tensor, *linears: torch.nn.Module) -> ModuleType | None:
+    """`strata.kernels.triton.gemv` when h is one CUDA row that its kernels take against every
+    linear's weight (plain weights, not quantized modules), else None.
 
     A one-lane decode step on the GPU then runs each sublayer as matrix-vector
     products that carry the norms, SwiGLU and residual adds (`DecoderLayer`).
     """
     if not h.is_cuda or h.shape[0] != 1:
         return None
-    g = _gemv_kernels()
+    g = gemv_kernels()
     if g is None:
         return None
     for m in linears:
@@ -66,17 +72,12 @@ def row_kernels(h: torch.Tensor, *linears: torch.nn.Module) -> Any | None:
     return g
 
 
-def _fused(x: torch.Tensor) -> Any | None:
-    """The Triton kernels for CUDA tensors (Triton is imported on the first one)."""
-    return _fused_kernels() if x.is_cuda else None
-
-
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """weight * normalise(x): normalised in float32, rounded to x's dtype, then scaled (HF's order)."""
-    k = _kernel(x)
+    k = cpu_kernels(x)
     if k is not None and x.is_contiguous():
         return k.rms_norm(x, weight, eps)
-    g = _fused(x)
+    g = fused_kernels(x)
     if g is not None and g.takes(x, weight):
         return g.rms_norm(x, weight, eps)
     return weight * F.rms_norm(x, weight.shape, eps=eps)
@@ -85,10 +86,10 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
 def add_rms_norm(h: torch.Tensor, a: torch.Tensor, weight: torch.Tensor,
                  eps: float) -> tuple[torch.Tensor, torch.Tensor]:
     """The residual sum h + a and its norm (the next sublayer's input)."""
-    k = _kernel(h)
+    k = cpu_kernels(h)
     if k is not None and h.is_contiguous() and a.is_contiguous():
         return k.add_rms_norm(h, a, weight, eps)
-    g = _fused(h)
+    g = fused_kernels(h)
     if g is not None and g.takes(h, a, weight):
         return g.add_rms_norm(h, a, weight, eps)
     s = h + a
@@ -101,10 +102,10 @@ def rope_qkv(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, hq: int, h
 
     cos, sin: [T, 1, D] rows of `rope_tables`.
     """
-    k = _kernel(qkv)
+    k = cpu_kernels(qkv)
     if k is not None and qkv.is_contiguous():
         return k.rope_qkv(qkv, cos, sin, hq, hkv)
-    g = _fused(qkv)
+    g = fused_kernels(qkv)
     if g is not None and g.takes(qkv, cos, sin):
         return g.rope_qkv(qkv, cos, sin, hq, hkv, head_dim)
     x = qkv.view(qkv.shape[0], -1, head_dim)
@@ -115,10 +116,10 @@ def rope_qkv(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, hq: int, h
 
 def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
     """silu(gate) * up, gate the first half of the last dimension."""
-    k = _kernel(gate_up)
+    k = cpu_kernels(gate_up)
     if k is not None and gate_up.is_contiguous():
         return k.silu_mul(gate_up)
-    g = _fused(gate_up)
+    g = fused_kernels(gate_up)
     if g is not None and g.takes(gate_up):
         return g.silu_mul(gate_up)
     gate, up = gate_up.chunk(2, dim=-1)

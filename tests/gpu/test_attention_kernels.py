@@ -20,8 +20,6 @@ from strata.attention.reference import SeqSpec, TableAttention
 from strata.kv.formats import make_format
 from strata.attention.triton_pool import GpuTableAttention, context_class
 from strata.kv.pool import KvPool
-from strata.kernels.triton import decode
-from strata.kernels.triton.cells import Q40_VARIANTS
 
 HQ, HKV, D = 8, 2, 64
 CHUNK = 32
@@ -164,13 +162,10 @@ def test_long_context_uses_splits(fmt: str) -> None:
     sc.check([SeqSpec(0, 5000, 1)])
 
 
-@pytest.mark.parametrize("variant", sorted(Q40_VARIANTS))
-def test_q4_0_decode_variants(variant: str, monkeypatch: pytest.MonkeyPatch) -> None:
-    """Each Q4_0 tile variant of the decode kernel (`STRATA_Q40_VARIANT`): q4_0 and k8v4 over
-    split contexts in scattered 64-cell chunks (one table entry per tile), in bf16, fp16 and
-    float32 compute."""
-    monkeypatch.setattr(decode, "Q40_VARIANT", Q40_VARIANTS[variant][0])
-    monkeypatch.setattr(decode, "Q40_MAXNREG", Q40_VARIANTS[variant][1])
+def test_q4_0_decode_over_tile_sized_chunks() -> None:
+    """The decode kernel's Q4_0 half tiles (scaled in fp16 compute, codes with the blocks' d
+    folded into the probabilities otherwise): q4_0 and k8v4 over split contexts in scattered
+    64-cell chunks (one table entry per tile), in bf16, fp16 and float32 compute."""
     for fmt, dtype in (("q4_0", torch.bfloat16), ("k8v4", torch.bfloat16),
                        ("k8v4", torch.float16), ("q4_0", torch.float32)):
         sc = Scenario(fmt, dtype, sessions=2, max_context=320, pool_tokens=12 * 64, seed=8,

@@ -40,8 +40,8 @@ EPS = 1e-5
 
 def torch_branch(name: str, *args):
     """ops.<name> through its torch expressions (no C++ kernel, no Triton) on any device."""
-    with mock.patch.object(ops, "_kernel", lambda x: None), \
-            mock.patch.object(ops, "_fused", lambda x: None):
+    with mock.patch.object(ops, "cpu_kernels", lambda x: None), \
+            mock.patch.object(ops, "fused_kernels", lambda x: None):
         return getattr(ops, name)(*args)
 
 
@@ -143,8 +143,8 @@ def test_rows_do_not_depend_on_the_batch(shape: str, dtype: torch.dtype) -> None
 def test_ops_route_cuda_tensors_to_the_kernels() -> None:
     if DEV != "cuda":
         pytest.skip("the interpreter runs the kernels on CPU tensors, which ops gives to C++")
-    assert ops._fused(torch.zeros(1, device="cuda")) is fused
-    assert ops._fused(torch.zeros(1)) is None
+    assert ops.fused_kernels(torch.zeros(1, device="cuda")) is fused
+    assert ops.fused_kernels(torch.zeros(1)) is None
     n, i, *_ = SHAPES["8b"]
     x = randn(2, n, dtype=torch.bfloat16, seed=13)
     w = randn(n, dtype=torch.bfloat16, seed=14)

@@ -214,7 +214,7 @@ def test_one_row_model_step_takes_the_row_kernels() -> None:
     with mock.patch.object(gemv, "gemv", lambda *a, **k: calls.append(1) or real(*a, **k)):
         fused_logits = step(pools[0])
     assert len(calls) == 4 * cfg.num_layers + 1
-    with mock.patch.object(ops, "_gemv_kernels", lambda: None):
+    with mock.patch.object(ops, "gemv_kernels", lambda: None):
         ref = step(pools[1])
     assert fused_logits.dtype == torch.float32
     rel = float((fused_logits - ref).norm() / ref.norm())
@@ -242,9 +242,9 @@ def test_chained_products_with_pdl_equal_the_serial_launches() -> None:
             h = gemv.gemv(act, ws[3], residual=h)
         return h
 
-    with mock.patch.object(gemv, "_pdl_on", lambda index: False):
+    with mock.patch.object(gemv, "pdl_on", lambda index: False):
         serial = chain()
-    with mock.patch.object(gemv, "_pdl_on", lambda index: True):
+    with mock.patch.object(gemv, "pdl_on", lambda index: True):
         eager = chain()
         graph = torch.cuda.CUDAGraph()
         chain()  # compiled outside the capture

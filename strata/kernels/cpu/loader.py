@@ -24,6 +24,8 @@ from typing import Any
 
 import torch
 
+from strata.knobs import flag
+
 log = logging.getLogger(__name__)
 SOURCES = [Path(__file__).parent / "csrc" / f for f in ("module.cpp", "attention.cpp", "elementwise.cpp")]
 # -ffp-contract=off: a*b+c rounds twice, as the torch expressions the row-wise kernels replace
@@ -49,7 +51,7 @@ def _machine_tag() -> str:
 @functools.lru_cache(maxsize=1)
 def cpu_kernel() -> Any | None:
     """The loaded extension module, or None when it is turned off or cannot be built."""
-    if os.environ.get("STRATA_CPU_KERNEL", "1") == "0":
+    if not flag("STRATA_CPU_KERNEL"):
         return None
     try:
         from torch.utils import cpp_extension

@@ -1,7 +1,7 @@
 """Reading pool cells inside a kernel: table lookup and per-format tiles.
 
 Every kernel addresses K/V the same way the pool does: position p of a
-session lives in cell `table[p // CHUNK] * CHUNK + p % CHUNK`. The table row
+lane lives in cell `table[p // CHUNK] * CHUNK + p % CHUNK`. The table row
 is read from the pool's device copy, so a kernel (or a captured graph) sees a
 conversation move as soon as the tables are synced, without re-launch data.
 
@@ -9,71 +9,38 @@ Quantized tiles are made for the dot products, not for their reader:
 - int8 tiles are the codes themselves (exact in bf16, fp16 and fp32) plus a
   float32 scale per row, which the kernel applies to whole rows of scores
   (K) or probabilities (V) instead of to every element;
-- a Q4_0 tile holds its columns in `tile_dims` order: both nibbles of a byte
-  side by side, so each byte is loaded once. Attention sums over the head
-  dimension, so the kernel only has to read q and write the output in the
-  same order. Values are `(code - 8) * d` in float32, rounded once to the
-  compute dtype, as `strata.kv.quant` does;
-- the decode kernel's Q4_0 variants ("split", "fold") read two half tiles
-  instead (`q4_halves`: the low nibbles, then the high ones, each [N, D/2]
-  in `half_dims` order), which need no join across threads; "fold" leaves
-  V's codes unscaled and scales the probabilities by each block's d.
+- the prompt kernel's Q4_0 tiles (`load_tile`) are [N, D] in natural order,
+  each byte loaded twice: its large dots do not compile from tiles whose
+  nibbles sit side by side (Triton 3.6, sm_90). Values are `(code - 8) * d`
+  in float32, rounded once to the compute dtype, as `strata.kv.quant` does;
+- the decode kernel reads Q4_0 as two half tiles (`q4_halves`: the low
+  nibbles, then the high ones, each [N, D/2] in `half_dims` order), which
+  need no join across threads and no integer-to-float conversion. V's
+  tiles hold the codes alone and each block's d scales the probabilities
+  (`block_scales`, `select_blocks`), except in fp16 compute, where p x d
+  could underflow and the tiles are scaled.
 """
 
 from __future__ import annotations
 
-import os
-
 import triton
 import triton.language as tl
 
-from strata.kernels.triton.half import INT8, PLAIN, Q4_0  # noqa: F401 - the kernels' constants
-
-# How the decode kernel reads Q4_0 tiles (`STRATA_Q40_VARIANT`, read once; the candidates are
-# timed on the device, then the losers go):
-# "join": one [N, D] tile, both nibbles of a byte side by side (tl.join + reshape);
-# "split": the low and the high nibbles as two [N, D/2] tiles and two dots, no join, no
-#   int-to-float conversion (`q4_halves`);
-# "fold": as "split", but V's tiles hold the codes alone (exact in bf16) and each block's d
-#   scales the probabilities, in query rows repeated once per block (bf16 / fp32 compute);
-# "fold_uncapped": "fold" without the register cap the others compile under (ptxas gives it
-#   about 160 registers a thread, three programs per multiprocessor instead of four).
-# name -> (kernel variant, registers a thread or None)
-Q40_VARIANTS = {"join": (0, None), "split": (1, 128), "fold": (2, 128), "fold_uncapped": (2, None)}
-Q40_VARIANT, Q40_MAXNREG = Q40_VARIANTS[os.environ.get("STRATA_Q40_VARIANT") or "fold"]
-
-
 @triton.jit
 def cells_of(table_row, pos, mask, CHUNK: tl.constexpr):
-    """Cell indices (int64) of positions `pos` through one session's chunk table."""
+    """Cell indices (int64) of positions `pos` through one lane's chunk table."""
     chunk = tl.load(table_row + pos // CHUNK, mask=mask, other=0)
     return chunk.to(tl.int64) * CHUNK + (pos % CHUNK).to(tl.int64)
 
 
 @triton.jit
-def tile_dims(offs_d, KIND: tl.constexpr, PAIRED: tl.constexpr):
-    """The head-dimension index held by each tile column of a format's tiles.
-
-    Q4_0 byte j of a block holds element j (low nibble) and j + 16 (high);
-    PAIRED tiles put the two side by side: column c is element
-    32 * (c // 32) + 16 * (c % 2) + (c // 2) % 16. Unpaired tiles are in
-    natural order (each byte loaded twice): the prompt kernel's large dots
-    do not compile from paired tiles (Triton 3.6, sm_90).
-    """
-    if KIND == 2 and PAIRED:
-        return (offs_d // 32) * 32 + (offs_d % 2) * 16 + (offs_d // 2) % 16
-    else:
-        return offs_d
-
-
-@triton.jit
 def load_tile(data, aux, cells, head, mask_n, s_cell, s_head, a_cell, a_head,
               KIND: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
-              OUT: tl.constexpr, SCALED: tl.constexpr, PAIRED: tl.constexpr):
+              OUT: tl.constexpr, SCALED: tl.constexpr):
     """(tile [N, BLOCK_D] in `OUT`, row scale [N] float32) of one KV head at `cells`.
 
     The tile's value at (n, c) times the row scale of n is the cell's value at
-    head dimension `tile_dims(c)`. PLAIN and Q4_0 return scale 1; INT8
+    head dimension c. PLAIN and Q4_0 return scale 1; INT8
     returns its codes and scales, or with SCALED their products rounded to
     `OUT` (the reference's values) and scale 1. `aux` holds int8's scales or,
     for Q4_0, the same bytes viewed as float16 (so a block's d is one aligned
@@ -96,7 +63,7 @@ def load_tile(data, aux, cells, head, mask_n, s_cell, s_head, a_cell, a_head,
             scale = tl.full(mask_n.shape, 1.0, tl.float32)
         else:
             x = codes.to(OUT)
-    elif not PAIRED:
+    else:
         mask = mask_n[:, None] & (offs_d < HEAD_DIM)[None, :]
         blk = offs_d // 32
         within = offs_d % 32
@@ -106,22 +73,6 @@ def load_tile(data, aux, cells, head, mask_n, s_cell, s_head, a_cell, a_head,
         d = tl.load(aux + cells[:, None] * a_cell + head * ((HEAD_DIM // 32) * 9) + (blk * 9)[None, :],
                     mask=mask, other=0.0)
         x = ((code - 8).to(tl.float32) * d.to(tl.float32)).to(OUT)
-        scale = tl.full(mask_n.shape, 1.0, tl.float32)
-    else:
-        # [N, block, j]: byte j of a block, both of its nibbles; one d per block
-        NB: tl.constexpr = BLOCK_D // 32
-        blk = tl.arange(0, NB)[None, :, None]
-        offs_j = tl.arange(0, 16)[None, None, :]
-        c3 = cells[:, None, None]
-        mask = mask_n[:, None, None] & (blk < HEAD_DIM // 32)
-        byte = tl.load(data + c3 * s_cell + head * ((HEAD_DIM // 32) * 18) + blk * 18 + 2 + offs_j,
-                       mask=mask, other=0)
-        d = tl.load(aux + c3 * a_cell + head * ((HEAD_DIM // 32) * 9) + blk * 9,
-                    mask=mask, other=0.0).to(tl.float32)
-        b = byte.to(tl.int32)
-        lo = tl.reshape((((b & 0xF) - 8).to(tl.float32) * d).to(OUT), [cells.shape[0], BLOCK_D // 2])
-        hi = tl.reshape((((b >> 4) - 8).to(tl.float32) * d).to(OUT), [cells.shape[0], BLOCK_D // 2])
-        x = tl.interleave(lo, hi)
         scale = tl.full(mask_n.shape, 1.0, tl.float32)
     return x, scale
 
@@ -269,16 +220,15 @@ def hadamard_halves(o_lo, o_hi, rows_lo, rows_hi, BLOCK_D: tl.constexpr, SCALE: 
 
 
 @triton.jit
-def hadamard_columns(o, rows, BLOCK_D: tl.constexpr, SCALE: tl.constexpr, IEEE: tl.constexpr):
-    """o @ H[rows, :] * SCALE for o [M, BLOCK_D] float32: k8v4's rotation of the output back.
+def hadamard_columns(o, BLOCK_D: tl.constexpr, SCALE: tl.constexpr, IEEE: tl.constexpr):
+    """o @ H * SCALE for o [M, BLOCK_D] float32: k8v4's rotation of the output back.
 
-    `rows` names the head dimension each column of `o` holds (`tile_dims`);
-    the result is in natural order; SCALE is 1 / sqrt(D). H's entries are +-1, (-1) ** popcount(i & j),
+    SCALE is 1 / sqrt(D). H's entries are +-1, (-1) ** popcount(i & j),
     exact in bf16, so the product runs on the tensor cores with `o` split into
     a bf16 head and tail (about 16 bits of mantissa, far below the bf16 or
     fp16 output's rounding); float32 compute takes IEEE products instead.
     """
-    h = _signs(rows, BLOCK_D)
+    h = _signs(tl.arange(0, BLOCK_D), BLOCK_D)
     if IEEE:
         r = tl.dot(o, h, input_precision="ieee")
     else:

@@ -7,6 +7,12 @@ positions. Few lanes leave most multiprocessors idle, so the context is then
 split and a second pass combines the splits' partial results through their
 log-sum-exp; with enough lanes there is one split and the first pass writes
 the output itself.
+
+Q4_0 K and V are read as low and high half tiles (`cells.q4_halves`); in
+bf16 and fp32 compute V's tiles are its codes alone, and each block's d
+scales the probabilities instead: the G query rows are repeated once per
+V block (EXPAND), and the epilogue keeps each row's own block. Kernels
+that read Q4_0 compile under a 128-register cap (`Q4_0_MAXNREG`).
 """
 
 from __future__ import annotations
@@ -18,14 +24,9 @@ import triton
 import triton.language as tl
 
 from strata.kernels.triton.cells import (
-    INT8,
-    Q4_0,
-    Q40_MAXNREG,
-    Q40_VARIANT,
     accumulate,
     block_scales,
     cells_of,
-    hadamard_columns,
     hadamard_halves,
     half_dims,
     half_scores,
@@ -33,14 +34,17 @@ from strata.kernels.triton.cells import (
     q4_halves,
     scores,
     select_blocks,
-    tile_dims,
 )
-from strata.kernels.triton.half import Half
+from strata.kernels.triton.half import INT8, Q4_0, Half
 
 LOG2E = 1.4426950408889634
 BLOCK_N = 64
 MIN_SPLIT = 128  # positions: a shorter split costs more in the second pass than it saves
 MAX_SPLITS = 64
+# registers a thread when K or V is Q4_0, the measured best (H200, 2026-11-30; docs/GPU.md):
+# ptxas's own choice, about 160, leaves three programs per multiprocessor instead of four, and
+# one lane at 32k took 60.6 us a layer instead of 48.9 (q4_0)
+Q4_0_MAXNREG = 128
 
 
 @dataclass(frozen=True)
@@ -76,15 +80,17 @@ def _decode_kernel(
     G: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_D: tl.constexpr, CHUNK: tl.constexpr, K_KIND: tl.constexpr, V_KIND: tl.constexpr,
     DIRECT: tl.constexpr, IEEE: tl.constexpr, FOLD_V: tl.constexpr, ROTATE: tl.constexpr,
-    ROT_SCALE: tl.constexpr, Q4V: tl.constexpr, EXPAND: tl.constexpr, BLOCK_R: tl.constexpr,
+    ROT_SCALE: tl.constexpr, EXPAND: tl.constexpr, BLOCK_R: tl.constexpr,
     V_BIAS: tl.constexpr, LANE_SPLIT: tl.constexpr,
 ):
-    # Q4V (cells.Q40_VARIANT) >= 1: Q4_0 K / V as low and high half tiles (`q4_halves`).
+    # Long: one loop's state (the running max, sums and accumulators per format) in one body.
+    # Q4_0 K / V come as low and high half tiles (`q4_halves`).
     # EXPAND: rows are (V block b, query head g), b * BLOCK_G + g, so that V's tiles are plain
     # codes and p is scaled per row by block b's d; the epilogue keeps each row's own block.
     # V_BIAS: those codes come as code + 128 (bf16, no conversion); 136 * sum(p) comes off.
-    K_HALF: tl.constexpr = K_KIND == 2 and Q4V >= 1
-    V_HALF: tl.constexpr = V_KIND == 2 and Q4V >= 1
+    # ROTATE (k8v4) comes with a Q4_0 V: the half tiles' order folds into H's rows.
+    K_HALF: tl.constexpr = K_KIND == 2
+    V_HALF: tl.constexpr = V_KIND == 2
     # a tile never straddles a chunk: one table entry per tile, fetched a tile ahead (and the
     # tile's rows past `hi` are cells of that chunk, safe to read)
     UNIFORM: tl.constexpr = (K_HALF or V_HALF) and CHUNK % BLOCK_N == 0
@@ -108,8 +114,6 @@ def _decode_kernel(
     offs_n = tl.arange(0, BLOCK_N)
     rheads = kvh * G + offs_r % BLOCK_G
     rmask = offs_r % BLOCK_G < G
-    dims_k = tile_dims(offs_d, K_KIND, True)  # q in the order of K's tile columns
-    dims_v = tile_dims(offs_d, V_KIND, True)  # the accumulator in the order of V's
     dims_lo = half_dims(offs_h, 0)
     dims_hi = half_dims(offs_h, 1)
     q_base = q + row * sq_t + rheads[:, None] * sq_h
@@ -119,8 +123,8 @@ def _decode_kernel(
         q_hi = tl.load(q_base + dims_hi[None, :],
                        mask=rmask[:, None] & (dims_hi < HEAD_DIM)[None, :], other=0.0)
     else:
-        qt = tl.load(q_base + dims_k[None, :],
-                     mask=rmask[:, None] & (dims_k < HEAD_DIM)[None, :], other=0.0)
+        qt = tl.load(q_base + offs_d[None, :],
+                     mask=rmask[:, None] & (offs_d < HEAD_DIM)[None, :], other=0.0)
     table_row = tables + session * t_stride
     cdt = q.dtype.element_ty
 
@@ -154,7 +158,7 @@ def _decode_kernel(
             s = half_scores(q_lo, q_hi, k_lo, k_hi, qk_scale, IEEE)
         else:
             k, k_scale = load_tile(k_data, k_aux, cells, kvh, nmask, k_sc, k_sh, k_ac, k_ah,
-                                   K_KIND, HEAD_DIM, BLOCK_D, cdt, False, True)
+                                   K_KIND, HEAD_DIM, BLOCK_D, cdt, False)
             s = scores(qt, k, k_scale, qk_scale, K_KIND, IEEE)
         s = tl.where(nmask[None, :], s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 1))
@@ -177,7 +181,7 @@ def _decode_kernel(
                 acc_hi = acc_hi - bias
         else:
             v, v_scale = load_tile(v_data, v_aux, cells, kvh, nmask, v_sc, v_sh, v_ac, v_ah,
-                                   V_KIND, HEAD_DIM, BLOCK_D, cdt, not FOLD_V, True)
+                                   V_KIND, HEAD_DIM, BLOCK_D, cdt, not FOLD_V)
             acc = accumulate(acc, alpha, p, v, v_scale, V_KIND, FOLD_V, IEEE)
         m_i = m_new
 
@@ -196,7 +200,7 @@ def _decode_kernel(
         if EXPAND:
             o_lo = select_blocks(o_lo, BLOCK_G, BLOCK_R // BLOCK_G)
             o_hi = select_blocks(o_hi, BLOCK_G, BLOCK_R // BLOCK_G)
-        if ROTATE:  # the halves' order folds into the rows of H
+        if ROTATE:
             o = hadamard_halves(o_lo, o_hi, dims_lo, dims_hi, BLOCK_D, ROT_SCALE, IEEE)
             tl.store(o_base + offs_d[None, :], o.to(o_base.dtype.element_ty),
                      mask=gmask[:, None] & (offs_d < HEAD_DIM)[None, :])
@@ -207,13 +211,8 @@ def _decode_kernel(
                      mask=gmask[:, None] & (dims_hi < HEAD_DIM)[None, :])
     else:
         o = acc / l_safe
-        if ROTATE:  # k8v4: V was stored rotated; the combine pass is linear, so rotate here
-            o = hadamard_columns(o, dims_v, BLOCK_D, ROT_SCALE, IEEE)
-            dims_o = offs_d
-        else:
-            dims_o = dims_v
-        tl.store(o_base + dims_o[None, :], o.to(o_base.dtype.element_ty),
-                 mask=gmask[:, None] & (dims_o < HEAD_DIM)[None, :])
+        tl.store(o_base + offs_d[None, :], o.to(o_base.dtype.element_ty),
+                 mask=gmask[:, None] & (offs_d < HEAD_DIM)[None, :])
     if not DIRECT:  # rows b > 0 of an EXPAND tile repeat row b = 0's statistics
         rslot = (lane * num_heads + rheads) * num_splits + split
         tl.store(mid_lse + rslot, m_i + tl.log2(l_i), mask=rmask & (offs_r < BLOCK_G))
@@ -273,18 +272,21 @@ def decode_attention(
 ) -> None:
     """Write attention for the lanes' query rows of `q` [T, Hq, D] into the same rows of `out`.
 
-    `rotate_v`: V is stored Hadamard-rotated (k8v4); the output is rotated back.
+    `rotate_v`: V is stored Hadamard-rotated (k8v4, a Q4_0 V); the output is rotated back
+    (the combine pass is linear, so the first pass rotates).
     """
     lanes = batch.q_rows.shape[0]
     if lanes == 0:
         return
+    if rotate_v and v.kind != Q4_0:
+        raise ValueError("decode attention rotates the output of a Q4_0 V only (k8v4)")
     hq, d = q.shape[1], q.shape[2]
     hkv = k.data.shape[1]
     g = hq // hkv
     cfg = CONFIGS.get((k.kind, v.kind), DecodeConfig())
     maxnreg = cfg.maxnreg
     if maxnreg is None and Q4_0 in (k.kind, v.kind):
-        maxnreg = Q40_MAXNREG
+        maxnreg = Q4_0_MAXNREG
     split_len, splits = plan_splits(lanes, hkv, batch.max_len, sms, cfg.block_n, cfg.per_sm)
     direct = splits == 1
     if direct:
@@ -294,7 +296,7 @@ def decode_attention(
         mid_lse = torch.empty((lanes, hq, splits), dtype=torch.float32, device=q.device)
     block_d = triton.next_power_of_2(d)
     fold_v = q.dtype != torch.float16
-    expand = v.kind == Q4_0 and Q40_VARIANT == 2 and fold_v
+    expand = v.kind == Q4_0 and fold_v
     block_g = max(16, triton.next_power_of_2(g))
     block_r = block_g
     if expand:
@@ -309,7 +311,7 @@ def decode_attention(
         G=g, HEAD_DIM=d, BLOCK_G=block_g, BLOCK_N=cfg.block_n,
         BLOCK_D=block_d, CHUNK=chunk, K_KIND=k.kind, V_KIND=v.kind, DIRECT=direct,
         IEEE=q.dtype == torch.float32, FOLD_V=fold_v, ROTATE=rotate_v,
-        ROT_SCALE=d**-0.5, Q4V=Q40_VARIANT, EXPAND=expand, BLOCK_R=block_r,
+        ROT_SCALE=d**-0.5, EXPAND=expand, BLOCK_R=block_r,
         V_BIAS=136 if expand and q.dtype == torch.bfloat16 else 0,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages, maxnreg=maxnreg,
     )

@@ -20,20 +20,19 @@ tiles, so the copy leaves most of the multiprocessors to the compute stream
 (it is bound by PCIe latency and bandwidth, not by the SMs).
 
 Under Triton's interpreter the "host" and "device" tensors are both CPU
-tensors: the same index arithmetic, checked by tests/kv/test_stream_gpu_tables.py.
+tensors: the same index arithmetic, checked by tests/attention/test_triton_stream.py.
 """
 
 from __future__ import annotations
-
-import os
 
 import torch
 import triton
 import triton.language as tl
 
+from strata.knobs import knob
+
 MAX_RUNS = 4  # runs of a format copied by one launch (the int8 format has 4: codes and scales of K, V)
 TILE = 2048  # words a program copies per iteration (8 KiB of int32)
-PROGRAMS_ENV = "STRATA_GATHER_PROGRAMS"  # programs of a launch; default: the multiprocessors
 
 
 @triton.jit
@@ -86,9 +85,10 @@ def block_words(t: torch.Tensor, block: int) -> torch.Tensor | None:
 
 
 def default_programs(device: torch.device) -> int:
-    env = os.environ.get(PROGRAMS_ENV)
-    if env:
-        return max(1, int(env))
+    """Programs of a launch: STRATA_GATHER_PROGRAMS, else one per multiprocessor (4 off CUDA)."""
+    forced = knob("STRATA_GATHER_PROGRAMS")
+    if forced:
+        return int(forced)
     if device.type == "cuda":
         return torch.cuda.get_device_properties(device).multi_processor_count
     return 4

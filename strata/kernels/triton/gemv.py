@@ -26,7 +26,8 @@ fused multiply-adds (nothing else here has a product next to a sum).
 
 Each program reads BLOCK_N weight rows in tiles of BLOCK_K columns; the tile
 shape per matrix shape comes from `CONFIGS` (measured on the H200 with
-`gpu_bench --sweep-gemv`) or a rule for other shapes.
+`python -m benchmarks.gemv_sweep`, which passes each candidate as `config=`)
+or a rule for other shapes.
 """
 
 from __future__ import annotations
@@ -39,6 +40,7 @@ import triton
 import triton.language as tl
 
 from strata.kernels.triton.numerics import exp
+from strata.knobs import flag
 
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 try:  # programmatic dependent launch (Hopper and later; Triton 3.6)
@@ -59,10 +61,11 @@ def _wait_for_inputs():
 DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 NORM_MAX = 16384  # the longest input row a program normalises in one tile
 MIN_BLOCK_K = 16  # rows must be a multiple of this (every model here: 576, 960, 4096 ...)
-# (N, K) -> (BLOCK_N, BLOCK_K, num_warps, num_stages) for the Llama-3.1-8B shapes, the fastest
-# of `python -m benchmarks.gemv_sweep` on an H200 (docs/GPU.md); N counts gate rows only for
-# gate/up. Other shapes take the rule in `config`.
-CONFIGS: dict[tuple[int, int], tuple[int, int, int, int]] = {
+Config = tuple[int, int, int, int]  # (BLOCK_N, BLOCK_K, num_warps, num_stages)
+# (N, K) -> Config for the Llama-3.1-8B shapes, the fastest of `python -m benchmarks.gemv_sweep`
+# on an H200 (docs/GPU.md); N counts gate rows only for gate/up. Other shapes take the rule in
+# `default_config`.
+CONFIGS: dict[tuple[int, int], Config] = {
     (6144, 4096): (4, 1024, 4, 1),  # q/k/v (with RoPE: 2 rows and their 2 partners)
     (4096, 4096): (2, 1024, 4, 1),  # o_proj
     (14336, 4096): (2, 1024, 4, 1),  # gate/up
@@ -72,20 +75,8 @@ CONFIGS: dict[tuple[int, int], tuple[int, int, int, int]] = {
 }
 
 
-def _override() -> tuple[int, int, int, int] | None:
-    """STRATA_GEMV_CONFIG="BLOCK_N,BLOCK_K,WARPS,STAGES" forces one config (for the sweep)."""
-    s = os.environ.get("STRATA_GEMV_CONFIG")
-    if not s:
-        return None
-    bn, bk, w, st = (int(v) for v in s.split(","))
-    return bn, bk, w, st
-
-
-def config(n: int, k: int) -> tuple[int, int, int, int]:
+def default_config(n: int, k: int) -> Config:
     """The launch shape for n output rows over k columns."""
-    forced = _override()
-    if forced is not None:
-        return forced
     if (n, k) in CONFIGS:
         return CONFIGS[(n, k)]
     bk = 1024  # the widest tile (up to 1,024 columns) that divides the row, 2,048 weights a tile
@@ -179,10 +170,10 @@ def _gemv_kernel(
 
 
 @functools.cache
-def _pdl_on(index: int) -> bool:
+def pdl_on(index: int) -> bool:
     """PDL for launches on CUDA device `index`: Hopper or later, Triton's intrinsics present,
-    not switched off with STRATA_GPU_PDL=0."""
-    if INTERPRET or gdc_wait is None or os.environ.get("STRATA_GPU_PDL", "1") == "0":
+    not switched off with STRATA_GPU_PDL=0 (read once)."""
+    if INTERPRET or gdc_wait is None or not flag("STRATA_GPU_PDL"):
         return False
     return torch.cuda.get_device_capability(index)[0] >= 9
 
@@ -215,6 +206,7 @@ def gemv(
     rope: tuple[torch.Tensor, torch.Tensor, int, int] | None = None,
     residual: torch.Tensor | None = None,
     out_dtype: torch.dtype | None = None,
+    config: Config | None = None,
 ) -> torch.Tensor:
     """[1, K] x weight[N, K]^T -> [1, N] (silu: [1, N/2]) with the folded ops named.
 
@@ -225,6 +217,7 @@ def gemv(
         rows ([head_dim] each, `rope_tables`), the rest (v) are left as they are.
     residual: [1, N] added to the rounded product.
     out_dtype: store the (rounded) result in another dtype (float32 logits).
+    config: the launch shape instead of `default_config(N, K)`'s (the sweep's candidates).
     """
     if not takes(x, weight):
         raise ValueError(f"gemv takes one contiguous row against [N, K] of its dtype: "
@@ -239,7 +232,7 @@ def gemv(
     if residual is not None and (residual.numel() != n or residual.dtype != x.dtype):
         raise ValueError(f"residual {tuple(residual.shape)} {residual.dtype} for {n} outputs")
     out = torch.empty((1, n), dtype=out_dtype or x.dtype, device=x.device)
-    bn, bk, warps, stages = config(n, k)
+    bn, bk, warps, stages = config if config is not None else default_config(n, k)
     if k % bk:
         raise ValueError(f"BLOCK_K {bk} does not divide rows of {k}")
     cos = sin = x
@@ -257,7 +250,7 @@ def gemv(
             bn //= 2
         pair_off = head_d // 2 * k
         programs = n // (2 * bn)
-    pdl = x.is_cuda and _pdl_on(x.device.index if x.device.index is not None else 0)
+    pdl = x.is_cuda and pdl_on(x.device.index if x.device.index is not None else 0)
     _gemv_kernel[(programs,)](
         x, weight, out, residual if residual is not None else x,
         bias if bias is not None else x, norm_weight if norm_weight is not None else x,

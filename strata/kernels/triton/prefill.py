@@ -20,7 +20,6 @@ from strata.kernels.triton.cells import (
     hadamard_columns,
     load_tile,
     scores,
-    tile_dims,
 )
 from strata.kernels.triton.decode import LOG2E
 from strata.kernels.triton.half import Half
@@ -53,12 +52,10 @@ def _prefill_kernel(
     offs_d = tl.arange(0, BLOCK_D)
     offs_n = tl.arange(0, BLOCK_N)
     mmask = offs_m < n
-    dims_k = tile_dims(offs_d, K_KIND, False)  # q in the order of K's tile columns
-    dims_v = tile_dims(offs_d, V_KIND, False)  # the accumulator in the order of V's
     qpos = start + offs_m
     rows = row0 + offs_m
-    qt = tl.load(q + rows[:, None] * sq_t + head * sq_h + dims_k[None, :],
-                 mask=mmask[:, None] & (dims_k < HEAD_DIM)[None, :], other=0.0)
+    qt = tl.load(q + rows[:, None] * sq_t + head * sq_h + offs_d[None, :],
+                 mask=mmask[:, None] & (offs_d < HEAD_DIM)[None, :], other=0.0)
     cdt = q.dtype.element_ty
     table_row = tables + session * t_stride
     hi = tl.minimum(start + m0 + BLOCK_M, start + n)  # keys past the block's last query: none
@@ -71,7 +68,7 @@ def _prefill_kernel(
         nmask = kpos < hi
         cells = cells_of(table_row, kpos, nmask, CHUNK)
         k, k_scale = load_tile(k_data, k_aux, cells, kvh, nmask, k_sc, k_sh, k_ac, k_ah,
-                               K_KIND, HEAD_DIM, BLOCK_D, cdt, False, False)
+                               K_KIND, HEAD_DIM, BLOCK_D, cdt, False)
         sc = scores(qt, k, k_scale, qk_scale, K_KIND, IEEE)
         sc = tl.where(nmask[None, :] & (kpos[None, :] <= qpos[:, None]), sc, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(sc, 1))  # key 0 is in every row's first block: finite
@@ -79,18 +76,15 @@ def _prefill_kernel(
         p = tl.exp2(sc - m_new[:, None])
         l_i = l_i * alpha + tl.sum(p, 1)
         v, v_scale = load_tile(v_data, v_aux, cells, kvh, nmask, v_sc, v_sh, v_ac, v_ah,
-                               V_KIND, HEAD_DIM, BLOCK_D, cdt, not FOLD_V, False)
+                               V_KIND, HEAD_DIM, BLOCK_D, cdt, not FOLD_V)
         acc = accumulate(acc, alpha, p, v, v_scale, V_KIND, FOLD_V, IEEE)
         m_i = m_new
 
     o = acc / l_i[:, None]
     if ROTATE:  # k8v4: V was stored rotated
-        o = hadamard_columns(o, dims_v, BLOCK_D, ROT_SCALE, IEEE)
-        dims_o = offs_d
-    else:
-        dims_o = dims_v
-    tl.store(out + rows[:, None] * so_t + head * so_h + dims_o[None, :],
-             o.to(out.dtype.element_ty), mask=mmask[:, None] & (dims_o < HEAD_DIM)[None, :])
+        o = hadamard_columns(o, BLOCK_D, ROT_SCALE, IEEE)
+    tl.store(out + rows[:, None] * so_t + head * so_h + offs_d[None, :],
+             o.to(out.dtype.element_ty), mask=mmask[:, None] & (offs_d < HEAD_DIM)[None, :])
 
 
 @dataclass(frozen=True)

@@ -19,8 +19,7 @@ import torch
 import triton
 import triton.language as tl
 
-from strata.kernels.triton.cells import INT8, Q4_0
-from strata.kernels.triton.half import Half
+from strata.kernels.triton.half import INT8, Q4_0, Half
 
 
 @triton.jit
