@@ -25,7 +25,8 @@ from typing import Any
 import torch
 
 from strata.bench.report import emit
-from strata.attention.reference import SeqSpec, TableAttention
+from strata.attention.reference import TableAttention
+from strata.kv.step import SeqSpec
 from strata.kv.formats import FORMAT_NAMES, K8V4Format, KvFormat, make_format
 from strata.kv.pool import KvPool
 from benchmarks.quality import format_error
@@ -80,8 +81,8 @@ class Session:
         """Logits (float32) of every fed token, and the context used (a recorder if asked)."""
         cfg, model = self.loaded.config, self.loaded.model
         n = len(tokens)
-        ctx: Any = TableAttention(self.pool, [SeqSpec(0, self.pos, n)], cfg.num_heads,
-                                  cfg.attn_scale, self.loaded.dtype)
+        ctx: Any = TableAttention(self.pool, [SeqSpec(0, self.pos, n)], 
+                                  cfg.attn_scale)
         if record:
             ctx = _Recorder(ctx)
         ids = torch.tensor(tokens, dtype=torch.int64)

@@ -28,10 +28,11 @@ from typing import Any
 import torch
 
 from strata.bench.report import emit
-from strata.attention.reference import SeqSpec, TableAttention
+from strata.attention.reference import TableAttention
+from strata.kv.step import SeqSpec
 from strata.kv.formats import make_format
 from strata.kv.pool import KvPool
-from strata.kv.stream import StreamStore, streamed_pool
+from strata.kv.stream import StreamedPool, StreamStore
 
 FILL_PIECE = 1024  # cells written per call while filling
 CHUNK = 4096  # the engine's default --kv-chunk (a multiple of the block, so blocks keep their size)
@@ -69,7 +70,7 @@ def model_step(loaded: Any) -> Step:
 
     def step(pool: KvPool, pos: int) -> None:
         seqs = [SeqSpec(0, pos, 1)]
-        ctx = TableAttention(pool, seqs, cfg.num_heads, cfg.attn_scale, loaded.dtype)
+        ctx = TableAttention(pool, seqs, cfg.attn_scale)
         hidden = model(torch.tensor([state["tok"]]), torch.tensor([pos]), ctx)
         state["tok"] = int(model.compute_logits(hidden)[-1].argmax())
 
@@ -84,8 +85,7 @@ def attention_step(shape: Shape, device: torch.device) -> Step:
         return torch.randn(*dims, generator=gen).to(device, torch.bfloat16)
 
     def step(pool: KvPool, pos: int) -> None:
-        ctx = TableAttention(pool, [SeqSpec(0, pos, 1)], shape.heads, shape.head_dim**-0.5,
-                             torch.bfloat16)
+        ctx = TableAttention(pool, [SeqSpec(0, pos, 1)], shape.head_dim**-0.5)
         for layer in range(shape.layers):
             q = rand(1, shape.heads, shape.head_dim)
             k, v = rand(1, shape.kv_heads, shape.head_dim), rand(1, shape.kv_heads, shape.head_dim)
@@ -160,7 +160,7 @@ def run(contexts: list[int], resident: int, block: int, kv: str, warm: int, step
             if mode == "resident":
                 pool = KvPool(*args, device=device)
             else:
-                pool = streamed_pool(*args, device=device, resident_cells=resident,
+                pool = StreamedPool(*args, device=device, resident_cells=resident,
                                      block_cells=block)
             _fill(pool, context, shape, device)
             row[mode] = _decode(step, pool, context, warm, steps, device)

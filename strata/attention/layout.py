@@ -8,8 +8,8 @@ up, so adding a format means one entry here, not a new kernel.
 
 from __future__ import annotations
 
-from strata.kv.formats import Int8Format, K8V4Format, KvFormat, PlainFormat, Q4_0Format, Storage
 from strata.kernels.triton.half import Half, int8_half, plain_half, q4_0_half
+from strata.kv.formats import Int8Format, K8V4Format, KvFormat, PlainFormat, Q4_0Format, Storage
 
 
 def halves(fmt: KvFormat, storage: Storage) -> tuple[Half, Half]:

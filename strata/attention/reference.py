@@ -1,7 +1,7 @@
 """Attention through the chunk tables: the C++ kernel on the CPU, plain torch elsewhere.
 
-One engine step reads a set of sequences, each a run of new tokens at
-positions [start, start + n) of a session. `TableAttention` writes their K/V
+One engine step reads a set of sequences (`kv/step.py: SeqSpec`), each a run
+of new tokens at positions [start, start + n) of a lane. `TableAttention` writes their K/V
 into the pool and computes causal grouped-query attention over each
 sequence's cells [0, start + n), gathered through its chunk table.
 
@@ -26,20 +26,10 @@ import torch
 from strata.kernels.cpu.loader import cpu_kernel
 from strata.kv.formats import PlainFormat
 from strata.kv.pool import KvPool
+from strata.kv.step import SeqSpec, key_cells, step_cells
 
 BLOCK = 128
-_KERNEL_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
-
-
-@dataclass(frozen=True)
-class SeqSpec:
-    session: int
-    start: int  # position of the first new token
-    n: int  # new tokens
-
-    @property
-    def end(self) -> int:
-        return self.start + self.n
+KERNEL_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
 
 @dataclass
@@ -68,23 +58,19 @@ class TableAttention:
     False forces the torch reference.
     """
 
-    def __init__(
-        self, pool: KvPool, seqs: list[SeqSpec], num_heads: int, scale: float, dtype: torch.dtype,
-        kernel: bool | None = None,
-    ) -> None:
+    def __init__(self, pool: KvPool, seqs: list[SeqSpec], scale: float,
+                 kernel: bool | None = None) -> None:
         self.pool = pool
         self.fmt = pool.fmt
         self.scale = scale
-        self.dtype = dtype
-        self.num_heads = num_heads
         dev = pool.device
-        write = [pool.cells_of_range(s.session, s.start, s.end) for s in seqs]
-        self.write_cells = torch.cat(write).to(dev) if write else torch.empty(0, dtype=torch.int64)
+        cells = step_cells(pool, seqs)
+        self.write_cells = cells.write.to(dev)
         self.kernel = None
-        if kernel is not False and dev.type == "cpu" and seqs and dtype in _KERNEL_DTYPES:
+        if kernel is not False and dev.type == "cpu" and seqs:
             self.kernel = cpu_kernel()
         if self.kernel is not None:
-            self._kernel_inputs(pool, seqs)
+            self._kernel_inputs(pool, seqs, cells.lanes)
             return
         offsets, t = [], 0
         for s in seqs:
@@ -115,9 +101,9 @@ class TableAttention:
         trash_cell = pool.trash * pool.chunk_size
         keys = []
         ar_k = torch.arange(lp)
-        spans: list[int] | None = [] if pool.store is None else None
-        for s in seqs:
-            c = pool.cells(s.session, ar_k)
+        spans: list[int] | None = [] if pool.in_place else None
+        lane_cells = key_cells(pool, torch.tensor([s.lane for s in seqs]), lp)
+        for s, c in zip(seqs, lane_cells):
             keys.append(torch.where(ar_k < s.end, c, trash_cell))
             if spans is not None:
                 # the cells it reads are consecutive: read them as a view, not a gather (the
@@ -140,21 +126,19 @@ class TableAttention:
             spans=spans,
         )
 
-    def _kernel_inputs(self, pool: KvPool, seqs: list[SeqSpec]) -> None:
+    def _kernel_inputs(self, pool: KvPool, seqs: list[SeqSpec], lanes: torch.Tensor) -> None:
         """Every sequence's cells [S, Lmax], and each row's sequence and position."""
-        lmax = max(s.end for s in seqs)
-        pos = torch.arange(lmax)
-        chunk_of = (pos // pool.chunk_size).clamp(max=pool.max_chunks - 1)
-        sessions = torch.tensor([s.session for s in seqs])
-        self.cells = (pool.tables[sessions][:, chunk_of] * pool.chunk_size + pos % pool.chunk_size).contiguous()
+        self.cells = key_cells(pool, lanes, max(s.end for s in seqs)).contiguous()
         self.row_seq = torch.cat([torch.full((s.n,), i, dtype=torch.int64) for i, s in enumerate(seqs)])
         self.row_pos = torch.cat([torch.arange(s.start, s.end) for s in seqs])
         # plain cells are read in place; other formats are dequantized first, one layer at a time
-        self.in_place = pool.store is None and isinstance(pool.fmt, PlainFormat)
+        self.in_place = pool.in_place and isinstance(pool.fmt, PlainFormat)
 
     def _attend_kernel(self, layer: int, q: torch.Tensor) -> torch.Tensor:
+        if q.dtype not in KERNEL_DTYPES:
+            raise TypeError(f"the CPU attention kernel computes in {KERNEL_DTYPES}, not {q.dtype}")
         if self.in_place:
-            st = self.pool.layers[layer]
+            st = self.pool.storage(layer)
             out = self.kernel.attend(q, st["k"], st["v"], self.cells, self.row_seq, self.row_pos,
                                      self.scale)
         else:
@@ -194,7 +178,7 @@ class TableAttention:
         S, nmax = g.rows.shape
         hq, d = q.shape[1], q.shape[2]
         if g.spans is not None:  # consecutive cells: views of the pool, no gather
-            st = self.pool.layers[layer]
+            st = self.pool.storage(layer)
             parts = [self.fmt.read(st, slice(b, b + g.lp), q.dtype) for b in g.spans]
             kc = parts[0][0] if len(parts) == 1 else torch.cat([p[0] for p in parts])
             vc = parts[0][1] if len(parts) == 1 else torch.cat([p[1] for p in parts])

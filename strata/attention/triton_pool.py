@@ -1,11 +1,11 @@
 """The engine's AttentionContext on a CUDA pool: Triton kernels over the chunk tables.
 
 Same constructor and `attend` as `TableAttention` (the torch reference and
-the oracle in tests), so the runner picks one or the other by the pool's
-device (`context_class`). Everything a step's kernels need besides the pool
-(rows, sessions, lengths, write cells) is computed once per step on the host
-and copied to the device in one transfer; the chunk tables themselves are
-read by the kernels from the pool's fixed device copy.
+the oracle in tests; `attention/base.py` has the contract, `select.py` the
+rule that picks). Everything a step's kernels need besides the pool (rows,
+lanes, lengths, write cells) is computed once per step on the host
+(`kv/step.py`) and copied to the device in one transfer; the chunk tables
+themselves are read by the kernels from the pool's fixed device copy.
 """
 
 from __future__ import annotations
@@ -15,19 +15,14 @@ import weakref
 
 import torch
 
-from strata.attention.reference import SeqSpec, TableAttention
+from strata.attention.layout import halves
+from strata.kernels.triton.decode import DecodeBatch, decode_attention
+from strata.kernels.triton.half import Half
+from strata.kernels.triton.prefill import PrefillBatch, prefill_attention, query_blocks
+from strata.kernels.triton.write import write_plain, write_quantized
 from strata.kv.formats import K8V4Format, PlainFormat
 from strata.kv.pool import KvPool
-
-try:  # the CPU path must not need Triton
-    from strata.kernels.triton.decode import DecodeBatch, decode_attention
-    from strata.attention.layout import Half, halves, supported
-    from strata.kernels.triton.prefill import PrefillBatch, prefill_attention, query_blocks
-    from strata.kernels.triton.write import write_plain, write_quantized
-
-    HAVE_TRITON = True
-except ImportError:  # pragma: no cover - depends on the installation
-    HAVE_TRITON = False
+from strata.kv.step import SeqSpec, StepCells, step_cells
 
 # Per pool, per layer: the (K, V) kernel views of its storage, made once.
 _HALVES: weakref.WeakKeyDictionary[KvPool, list[tuple[Half, Half]]] = weakref.WeakKeyDictionary()
@@ -41,7 +36,8 @@ def _sm_count(index: int) -> int:
     return torch.cuda.get_device_properties(index).multi_processor_count
 
 
-def _sms(device: torch.device) -> int:
+def multiprocessors(device: torch.device) -> int:
+    """Multiprocessors the decode kernel plans its context splits for."""
     if device.type != "cuda":
         return INTERPRETED_SMS
     return _sm_count(device.index if device.index is not None else torch.cuda.current_device())
@@ -52,71 +48,63 @@ def _layer_halves(pool: KvPool, layer: int) -> tuple[Half, Half]:
     if views is None:
         views = [halves(pool.fmt, st) for st in pool.layers]
         _HALVES[pool] = views
-    return views[layer]
+    return views[layer - pool.layer_range.start]
 
 
-def context_class(pool: KvPool) -> type:
-    """GpuTableAttention for a CUDA pool in a format the kernels read; else the torch reference."""
-    if pool.device.type == "cuda" and HAVE_TRITON and supported(pool.fmt):
-        return GpuTableAttention
-    return TableAttention
+def batch_parts(cells: StepCells, keys: torch.Tensor) -> list[torch.Tensor]:
+    """The decode and prefill kernels' per-step metadata, to upload in one copy with the rest.
+
+    `keys` [S]: the row of each sequence's chunk table (its lane in the pool's
+    tables, or its row of a streamed step's translated tables).
+    """
+    dec = cells.decode
+    pre = ~dec
+    blk_seq, blk_m0 = query_blocks(cells.ns[pre].tolist())
+    return [
+        cells.rows[dec], keys[dec], cells.starts[dec] + 1,
+        torch.tensor(blk_seq, dtype=torch.int64), torch.tensor(blk_m0, dtype=torch.int64),
+        keys[pre], cells.starts[pre], cells.ns[pre], cells.rows[pre],
+    ]
+
+
+def batches(cells: StepCells, views: list[torch.Tensor]) -> tuple[DecodeBatch, PrefillBatch]:
+    """The kernels' batches over the device views of `batch_parts`, in its order."""
+    dec = cells.decode
+    longest = int(cells.starts[dec].max()) + 1 if bool(dec.any()) else 0
+    return DecodeBatch(views[0], views[1], views[2], longest), PrefillBatch(*views[3:9])
 
 
 class GpuTableAttention:
     """The AttentionContext of one engine step over a pool on a CUDA device."""
 
-    def __init__(
-        self, pool: KvPool, seqs: list[SeqSpec], num_heads: int, scale: float, dtype: torch.dtype
-    ) -> None:
-        self._setup(pool, num_heads, scale, dtype)
-        ns = torch.tensor([s.n for s in seqs], dtype=torch.int64)
-        starts = torch.tensor([s.start for s in seqs], dtype=torch.int64)
-        sessions = torch.tensor([s.session for s in seqs], dtype=torch.int64)
-        rows = torch.cumsum(ns, 0) - ns
-        t = int(ns.sum()) if seqs else 0
-        # write cells of every new token, through the host copy of the tables
-        tok_sess = torch.repeat_interleave(sessions, ns)
-        tok_pos = torch.arange(t, dtype=torch.int64) - torch.repeat_interleave(rows - starts, ns)
-        chunk = pool.chunk_size
-        write = pool.tables[tok_sess, tok_pos // chunk] * chunk + tok_pos % chunk
-        dec = ns == 1
-        pre = ~dec
-        blk_seq, blk_m0 = query_blocks(ns[pre].tolist())
-        parts = [
-            write,
-            rows[dec], sessions[dec], starts[dec] + 1,
-            torch.tensor(blk_seq, dtype=torch.int64), torch.tensor(blk_m0, dtype=torch.int64),
-            sessions[pre], starts[pre], ns[pre], rows[pre],
-        ]
+    def __init__(self, pool: KvPool, seqs: list[SeqSpec], scale: float) -> None:
+        self._setup(pool, scale)
+        cells = step_cells(pool, seqs)
+        parts = [cells.write, *batch_parts(cells, cells.lanes)]
         packed = torch.cat(parts).to(pool.device)  # one host-to-device copy per step
-        views = packed.split([p.numel() for p in parts])
+        views = list(packed.split([p.numel() for p in parts]))
         self.write_cells = views[0]
-        self.decode = DecodeBatch(views[1], views[2], views[3],
-                                  int(starts[dec].max()) + 1 if bool(dec.any()) else 0)
-        self.prefill = PrefillBatch(*views[4:])
+        self.decode, self.prefill = batches(cells, views[1:])
 
-    def _setup(self, pool: KvPool, num_heads: int, scale: float, dtype: torch.dtype) -> None:
+    def _setup(self, pool: KvPool, scale: float) -> None:
         self.pool = pool
         self.fmt = pool.fmt
         self.scale = scale
-        self.dtype = dtype
-        self.num_heads = num_heads
         self.plain = isinstance(pool.fmt, PlainFormat)
         self.rotate_v = isinstance(pool.fmt, K8V4Format) and pool.fmt.rotate
-        self.sms = _sms(pool.device)
+        self.sms = multiprocessors(pool.device)
 
     @classmethod
-    def for_graph(cls, pool: KvPool, meta: torch.Tensor, num_heads: int, scale: float,
-                  dtype: torch.dtype) -> GpuTableAttention:
+    def for_graph(cls, pool: KvPool, meta: torch.Tensor, scale: float) -> GpuTableAttention:
         """A decode-only context reading its metadata from fixed device rows, for CUDA graphs.
 
-        `meta` [4, lanes] int64 holds query rows, sessions, lengths (start + 1)
+        `meta` [4, lanes] int64 holds query rows, lanes, lengths (start + 1)
         and write cells; the caller refills it before each replay. The context
         splits are planned for the pool's longest context, so one capture
         serves every length (each lane spreads its own length over the splits).
         """
         self = cls.__new__(cls)
-        self._setup(pool, num_heads, scale, dtype)
+        self._setup(pool, scale)
         self.write_cells = meta[3]
         self.decode = DecodeBatch(meta[0], meta[1], meta[2], pool.max_chunks * pool.chunk_size)
         empty = meta.new_empty(0)

@@ -28,7 +28,6 @@ import math
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
-from typing import Any
 
 import torch
 
@@ -64,13 +63,6 @@ def _owned(t: torch.Tensor) -> torch.Tensor:
     if not t.is_contiguous() or t.untyped_storage().nbytes() != t.nbytes:
         t = t.contiguous().clone()
     return t
-
-
-def _extra_bytes(extra: dict[str, Any] | None) -> int:
-    """Bytes of the tensors in an extra-state dict (other values are small and not counted)."""
-    if not extra:
-        return 0
-    return sum(v.nbytes for v in extra.values() if isinstance(v, torch.Tensor))
 
 
 class ParkedKV:
@@ -166,10 +158,9 @@ class ParkedEntry:
     entry_id: int
     tokens: torch.Tensor  # int32 [n]
     kv: ParkedKV
-    extra: dict[str, Any] | None = None
 
     def nbytes(self) -> int:
-        return self.kv.nbytes() + self.tokens.nbytes + _extra_bytes(self.extra)
+        return self.kv.nbytes() + self.tokens.nbytes
 
 
 @dataclass
@@ -337,7 +328,7 @@ class ConversationCache:
             self.evictions += 1
         return len(self._entries) < self.slots and self.bytes() <= limit
 
-    def put(self, tokens: Tokens, kv: ParkedKV, extra: dict[str, Any] | None = None) -> int:
+    def put(self, tokens: Tokens, kv: ParkedKV) -> int:
         """Park a conversation (after `make_room`); returns its entry id.
 
         Charges the entry's true size. Entries whose tokens are a prefix of the
@@ -349,7 +340,7 @@ class ConversationCache:
         for eid in [e for e, x in self._entries.items() if x.tokens.equal(toks[: len(x.tokens)])]:
             self._bytes -= self._entries.pop(eid).nbytes()
             self.superseded += 1
-        entry = ParkedEntry(self._next_id, toks, kv, extra)
+        entry = ParkedEntry(self._next_id, toks, kv)
         self._next_id += 1
         self._entries[entry.entry_id] = entry
         self._bytes += entry.nbytes()
@@ -361,7 +352,6 @@ class ConversationCache:
         capture_fn: CaptureFn,
         bytes_per_token: int,
         held_bytes: int = 0,
-        extra: dict[str, Any] | None = None,
     ) -> int | None:
         """Park a lane's conversation, capturing only what the reuse image lacks.
 
@@ -378,9 +368,9 @@ class ConversationCache:
             self._reuse = None
             kv = image.kv
             kv.truncate(shared)
-            incoming = kv.nbytes_for(n) + toks.nbytes + _extra_bytes(extra)
+            incoming = kv.nbytes_for(n) + toks.nbytes
         else:
-            incoming = self.estimate_bytes(n, bytes_per_token) + _extra_bytes(extra)
+            incoming = self.estimate_bytes(n, bytes_per_token)
         if not self.make_room(incoming, held_bytes):
             self.skipped_parks += 1
             return None
@@ -391,8 +381,8 @@ class ConversationCache:
         else:
             kv = ParkedKV(capture_fn(0, n))
             self.full_parks += 1
-        true_size = kv.nbytes() + toks.nbytes + _extra_bytes(extra)
+        true_size = kv.nbytes() + toks.nbytes
         if true_size > incoming and not self.make_room(true_size, held_bytes):
             self.skipped_parks += 1  # capture_fn gave more than bytes_per_token promised
             return None
-        return self.put(toks, kv, extra)
+        return self.put(toks, kv)

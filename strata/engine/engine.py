@@ -25,12 +25,14 @@ from strata.engine.runner import Runner
 from strata.engine.sampling import has_penalties, make_generator, sample
 from strata.engine.scheduler import Lane, Scheduler, Step
 from strata.engine.sessions import SessionFiles, SessionResult
+from strata.engine.stats import pool_and_lane_figures
 from strata.engine.stop import StopMatcher
 from strata.engine.types import FinishReason, SamplingParams, StreamEvent
 from strata.errors import BadRequest, ContextTooLong, ModelLoadError, QueueFull, StrataError
+from strata.knobs import knob_values
 from strata.kv.formats import make_format
 from strata.kv.pool import KvPool
-from strata.kv.stream import streamed_pool
+from strata.kv.stream import StreamedPool
 from strata.models import load_model
 from strata.tokenizer import IncrementalDetokenizer
 
@@ -94,21 +96,21 @@ class Engine:
         fmt = make_format(kv_name, mc.num_kv_heads, mc.head_dim)
         chunk = min(config.kv_chunk, config.max_context)
         if config.kv_resident is not None:  # K/V in (pinned) host RAM, N cells per layer on the device
-            self.pool = streamed_pool(fmt, mc.num_layers, config.parallel, config.max_context, chunk,
-                                      config.kv_pool_tokens, self.device,
-                                      resident_cells=config.kv_resident)
+            self.pool: KvPool = StreamedPool(fmt, mc.num_layers, config.parallel, config.max_context,
+                                             chunk, config.kv_pool_tokens, self.device,
+                                             resident_cells=config.kv_resident)
         else:
             self.pool = KvPool(fmt, mc.num_layers, config.parallel, config.max_context, chunk,
                                config.kv_pool_tokens, self.device, pin=False)
-        self.scheduler = Scheduler(self.pool, config.parallel, config.prefill_chunk,
-                                   prefix_reuse=config.prefix_reuse)
         self.conversations: ConversationCache | None = None
+        parking = None
         if config.conversation_cache_mib > 0:
             self.conversations = ConversationCache(config.conversation_cache_mib << 20,
                                                    config.conversation_cache_slots)
-            self.scheduler.parking = Parking(self.pool, self.conversations)
-        self.runner = Runner(self.loaded.model, self.pool, mc.num_heads, mc.attn_scale,
-                             self.dtype, self.device)
+            parking = Parking(self.pool, self.conversations)
+        self.scheduler = Scheduler(self.pool, config.parallel, config.prefill_chunk,
+                                   prefix_reuse=config.prefix_reuse, parking=parking)
+        self.runner = Runner(self.loaded.model, self.pool, mc.attn_scale, self.device)
         if config.pipeline not in ("auto", "on", "off"):
             raise BadRequest(f"--pipeline must be auto, on or off, not {config.pipeline!r}")
         # overlapping pays where the forward runs asynchronously (CUDA graphs); elsewhere it only
@@ -183,43 +185,15 @@ class Engine:
         return self.call(lambda: self.sessions.save_parked(self.conversations, entry_id, filename)).result()
 
     def stats(self) -> dict[str, Any]:
-        sched, pool = self.scheduler, self.pool
-        busy = sum(1 for lane in sched.lanes if lane.request is not None)
-        c = sched.counters
-        return {
-            "pool_cells_total": pool.total_cells,
-            "pool_cells_used": pool.used_cells,
-            "pool_cells_free": pool.free_cells,
-            "pool_cells_holding_tokens": sum(len(lane.tokens) for lane in sched.lanes),
-            "pool_bytes": pool.total_bytes(),
-            "pool_shared": pool.shared,
-            "kv_format": pool.fmt.name,
-            "kv_chunk": pool.chunk_size,
-            "chunks_per_session": {lane.index: pool.reserved[lane.index] for lane in sched.lanes},
-            "lanes": [{"id": lane.index,
-                       "state": "busy" if lane.request is not None else ("idle" if lane.tokens else "empty"),
-                       "n_tokens": len(lane.tokens), "chunks": pool.reserved[lane.index]}
-                      for lane in sched.lanes],
-            "tokens_per_session": {lane.index: len(lane.tokens) for lane in sched.lanes},
-            "lanes_total": len(sched.lanes),
-            "lanes_busy": busy,
-            "lanes_idle": sum(1 for lane in sched.lanes if lane.request is None and lane.tokens),
-            "queue_length": len(sched.waiting) + len(self._inbox),
-            "prefix_reuse_hits": c.prefix_reuse_hits,
-            "prefix_tokens_reused": c.prefix_tokens_reused,
-            "refusals": c.refusals,
-            "truncations": c.truncations,
-            "evictions": c.evictions,
-            "moves": c.moves,
-            "steps": self.steps,
-            "pipelined_steps": self.pipelined_steps,
-            "step_errors": self.step_errors,
-            "conversation_parks": c.parks,
-            "conversation_restores": c.restores,
-            "conversation_tokens_restored": c.restored_tokens,
-            "conversation_cache": self.conversations.stats().as_dict() if self.conversations is not None else None,
-            "kv_stream": pool.store.figures() if pool.store is not None else None,
-        }
+        """The figures the server's /metrics and /v1/state show (strata/engine/stats.py)."""
+        figures = pool_and_lane_figures(self.scheduler, self.pool)
+        figures["queue_length"] += len(self._inbox)
+        figures.update(
+            steps=self.steps, pipelined_steps=self.pipelined_steps, step_errors=self.step_errors,
+            conversation_cache=(self.conversations.stats().as_dict()
+                                if self.conversations is not None else None),
+            knobs=knob_values())
+        return figures
 
     def close(self) -> None:
         with self._lock:

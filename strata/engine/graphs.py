@@ -3,13 +3,13 @@
 An eager decode step of an 8B model launches over a thousand kernels, and
 their Python and launch cost, not the GPU, sets the pace. A captured step
 is replayed with one call. What changes between steps lives in fixed device
-buffers refilled before each replay (token ids, positions, sessions,
+buffers refilled before each replay (token ids, positions, lanes,
 lengths, write cells, in one host-to-device copy); the chunk tables are read
 from the pool's fixed device copy, so moves and reservations need no
 re-capture. Prompt reading stays eager.
 
 A step of n lanes runs the smallest captured size >= n; padding lanes read
-one cell of session 0 and write into the trash chunk, so they touch nothing
+one cell of lane 0 and write into the trash chunk, so they touch nothing
 anyone owns. Graphs are captured on first use of a size.
 """
 
@@ -20,13 +20,13 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from strata.attention.reference import SeqSpec
 from strata.attention.triton_pool import GpuTableAttention
 from strata.kv.pool import KvPool
+from strata.kv.step import SeqSpec, cells_at
 
 # Padded lane counts: powers of two, then steps of 16 (a decode step's cost grows slowly with lanes).
 SIZES = (1, 2, 4, 8, 16, 32, 48, 64, 80, 96, 112, 128, 160, 192, 224, 256)
-_IDS, _POS, _ROWS, _SESS, _LENS, _CELLS = range(6)
+_IDS, _POS, _ROWS, _LANE, _LENS, _CELLS = range(6)
 
 
 @dataclass
@@ -44,14 +44,11 @@ class _Entry:
 class DecodeGraphs:
     """Decode steps of `model` over `pool` through captured CUDA graphs."""
 
-    def __init__(self, model: torch.nn.Module, pool: KvPool, num_heads: int, scale: float,
-                 dtype: torch.dtype) -> None:
+    def __init__(self, model: torch.nn.Module, pool: KvPool, scale: float) -> None:
         self.model = model
         self.pool = pool
-        self.num_heads = num_heads
         self.scale = scale
-        self.dtype = dtype
-        self.sizes = [s for s in SIZES if s < pool.num_sessions] + [pool.num_sessions]
+        self.sizes = [s for s in SIZES if s < pool.num_lanes] + [pool.num_lanes]
         self._entries: dict[int, _Entry] = {}
 
     def supports(self, seqs: list[SeqSpec], sample: list[bool]) -> bool:
@@ -99,13 +96,13 @@ class DecodeGraphs:
         e.copied.synchronize()  # the previous copy out of the staging buffer is done
         n, chunk = len(seqs), self.pool.chunk_size
         h = e.host.numpy()
-        sess = np.fromiter((s.session for s in seqs), np.int64, n)
+        lane_ids = np.fromiter((s.lane for s in seqs), np.int64, n)
         pos = np.fromiter((s.start for s in seqs), np.int64, n)
         h[_IDS, :n] = tokens
         h[_POS, :n] = pos
-        h[_SESS, :n] = sess
+        h[_LANE, :n] = lane_ids
         h[_LENS, :n] = pos + 1
-        h[_CELLS, :n] = self.pool.tables.numpy()[sess, pos // chunk] * chunk + pos % chunk
+        h[_CELLS, :n] = cells_at(self.pool.tables.numpy(), chunk, lane_ids, pos)
         if e.filled > n:  # lanes of a larger step before: padding again
             self._pad(h, n, e.filled)
         e.filled = n
@@ -115,7 +112,7 @@ class DecodeGraphs:
     def _pad(self, h: np.ndarray, start: int, stop: int) -> None:
         h[_IDS, start:stop] = 0
         h[_POS, start:stop] = 0
-        h[_SESS, start:stop] = 0
+        h[_LANE, start:stop] = 0
         h[_LENS, start:stop] = 1
         h[_CELLS, start:stop] = self.pool.trash * self.pool.chunk_size
 
@@ -127,7 +124,7 @@ class DecodeGraphs:
         host = torch.zeros((6, size), dtype=torch.int64).pin_memory()
         host[_ROWS] = torch.arange(size)
         meta = torch.zeros((6, size), dtype=torch.int64, device=dev)
-        ctx = GpuTableAttention.for_graph(self.pool, meta[_ROWS:], self.num_heads, self.scale, self.dtype)
+        ctx = GpuTableAttention.for_graph(self.pool, meta[_ROWS:], self.scale)
         e = _Entry(size, host, meta, ctx, torch.cuda.Event())
         e.copied.record()
         self._pad(host.numpy(), 0, size)

@@ -8,8 +8,6 @@ a lane's chunks.
 
 from __future__ import annotations
 
-import torch
-
 from strata.engine.conversation_cache import ConversationCache, ParkedEntry
 from strata.engine.scheduler import Lane
 from strata.kv.formats import Storage
@@ -24,8 +22,7 @@ class Parking:
 
     def capture(self, lane: Lane, start: int, end: int) -> list[Storage]:
         """Raw runs of positions [start, end) of a lane, per layer, on the CPU."""
-        cells = self.pool.cells_of_range(lane.index, start, end)
-        return [self.pool.export_cells(layer, cells) for layer in range(len(self.pool.layers))]
+        return self.pool.export_range(lane.index, start, end)
 
     def park(self, lane: Lane) -> bool:
         """Park the lane's conversation (only what the reuse image lacks is captured)."""
@@ -59,15 +56,6 @@ class Parking:
         lane.tokens = entry.tokens[:n].tolist()
 
 
-def write_entry(pool: KvPool, session: int, entry: ParkedEntry, n: int) -> None:
-    """Copy the first n cells of a parked entry into `session`'s reserved cells."""
-    cells = pool.cells_of_range(session, 0, n)
-    for layer, runs in enumerate(entry.kv.layers()):
-        pool.import_cells(layer, cells, {k: t[:n] for k, t in runs.items()})
-
-
-def write_runs(pool: KvPool, session: int, layers: list[Storage], n: int) -> None:
-    """Copy n cells of per-layer raw runs (from a session file) into `session`'s cells."""
-    cells = pool.cells_of_range(session, 0, n)
-    for layer, runs in enumerate(layers):
-        pool.import_cells(layer, cells, {k: torch.as_tensor(t[:n]) for k, t in runs.items()})
+def write_entry(pool: KvPool, lane: int, entry: ParkedEntry, n: int) -> None:
+    """Copy the first n cells of a parked entry into `lane`'s reserved cells."""
+    pool.import_range(lane, 0, [{k: t[:n] for k, t in runs.items()} for runs in entry.kv.layers()])

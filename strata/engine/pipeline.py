@@ -23,7 +23,7 @@ import torch
 from strata.engine.request import Request
 from strata.engine.sampling import has_penalties
 from strata.engine.scheduler import Lane, Scheduler, Step
-from strata.attention.reference import SeqSpec
+from strata.kv.step import SeqSpec
 
 
 @dataclass
@@ -80,7 +80,7 @@ def continuation(prev: Launched, scheduler: Scheduler, max_context: int) -> tupl
         pos = len(lane.tokens) + 1  # prev fed position len(lane.tokens); its sample goes next
         if len(req.output) + 1 >= req.params.max_tokens or pos + 1 >= max_context:
             continue  # prev's token is this request's last
-        if scheduler.pool.capacity(lane.index) <= pos and not scheduler.make_room(lane, pos + 1):
+        if scheduler.pool.backed(lane.index) <= pos and not scheduler.reserve_for(lane, pos + 1):
             return None
         seqs.append(SeqSpec(lane.index, pos, 1))
         lanes.append(lane)

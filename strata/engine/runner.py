@@ -4,28 +4,24 @@ from __future__ import annotations
 
 import torch
 
-from strata.attention.reference import SeqSpec, TableAttention
-from strata.attention.triton_pool import context_class
-from strata.attention.triton_stream import stream_context
+from strata.attention.select import backend_for, graphs_possible
 from strata.kv.pool import KvPool
+from strata.kv.step import SeqSpec
 
 
 class Runner:
-    def __init__(self, model: torch.nn.Module, pool: KvPool, num_heads: int, scale: float,
-                 dtype: torch.dtype, device: torch.device, graphs: bool = True) -> None:
+    def __init__(self, model: torch.nn.Module, pool: KvPool, scale: float, device: torch.device,
+                 graphs: bool = True) -> None:
         self.model = model
         self.pool = pool
-        self.num_heads = num_heads
         self.scale = scale
-        self.dtype = dtype
         self.device = device
-        # Triton kernels read the pool in place, or a streamed pool's device cache (no graphs)
-        self.context = stream_context(pool) if pool.store is not None else context_class(pool)
+        self.context = backend_for(pool)  # the attention backend of every step (attention/select.py)
         self.graphs = None  # CUDA graphs of decode steps (prompt reading stays eager)
-        if graphs and pool.store is None and self.context is not TableAttention:
-            from strata.engine.graphs import DecodeGraphs
+        if graphs and graphs_possible(self.context):
+            from strata.engine.graphs import DecodeGraphs  # imports Triton
 
-            self.graphs = DecodeGraphs(model, pool, num_heads, scale, dtype)
+            self.graphs = DecodeGraphs(model, pool, scale)
 
     @torch.inference_mode()
     def decode_from(self, seqs: list[SeqSpec], ids: torch.Tensor) -> torch.Tensor:
@@ -45,7 +41,7 @@ class Runner:
             return self.graphs.forward(seqs, tokens)  # valid until the next step: sample at once
         input_ids = torch.tensor(tokens, dtype=torch.int64, device=self.device)
         positions = torch.cat([torch.arange(s.start, s.end, dtype=torch.int64) for s in seqs])
-        ctx = self.context(self.pool, seqs, self.num_heads, self.scale, self.dtype)
+        ctx = self.context(self.pool, seqs, self.scale)
         hidden = self.model(input_ids, positions.to(self.device), ctx)
         rows, end = [], 0
         for s, wanted in zip(seqs, sample):

@@ -1,6 +1,6 @@
 """Lanes, admission and step planning over the shared KV pool.
 
-A lane is a session of the pool. It is busy (a request is reading its prompt
+A lane is a row of the pool's chunk tables. It is busy (a request is reading its prompt
 or decoding), idle (it keeps the conversation it last served, for prefix
 reuse) or empty. The scheduler admits waiting requests in arrival order to
 free lanes, reserves pool chunks, evicts idle lanes' conversations when the
@@ -13,12 +13,16 @@ from __future__ import annotations
 import time
 from collections import deque
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from strata.engine.request import Request
 from strata.errors import KvPoolFull
-from strata.attention.reference import SeqSpec
-from strata.kv.policy import IdleSession, choose_evictions
+from strata.kv.policy import IdleLane, choose_evictions
 from strata.kv.pool import KvPool
+from strata.kv.step import SeqSpec
+
+if TYPE_CHECKING:
+    from strata.engine.parking import Parking
 
 
 @dataclass
@@ -61,7 +65,7 @@ def common_prefix(a: list[int], b: list[int]) -> int:
 
 class Scheduler:
     def __init__(self, pool: KvPool, lanes: int, prefill_chunk: int, retry_after: float = 1.0,
-                 prefix_reuse: bool = True) -> None:
+                 prefix_reuse: bool = True, parking: Parking | None = None) -> None:
         self.pool = pool
         self.prefix_reuse = prefix_reuse
         self.lanes = [Lane(i) for i in range(lanes)]
@@ -69,7 +73,7 @@ class Scheduler:
         self.retry_after = retry_after
         self.waiting: deque[Request] = deque()
         self.counters = Counters()
-        self.parking = None  # engine.parking.Parking when the conversation cache is on
+        self.parking = parking  # conversations displaced from lanes go there (the conversation cache)
 
     # ---- admission ----------------------------------------------------------
     def free_lanes(self) -> list[Lane]:
@@ -95,13 +99,13 @@ class Scheduler:
             return empty[0], 0
         return min(free, key=lambda lane: lane.last_used), 0
 
-    def make_room(self, lane: Lane, n_tokens: int) -> bool:
+    def reserve_for(self, lane: Lane, n_tokens: int) -> bool:
         """Reserve chunks for `lane` to hold `n_tokens`, evicting idle lanes' caches if needed."""
         if self.pool.reserve(lane.index, n_tokens):
             return True
         need = self.pool.chunks_for(n_tokens) - self.pool.reserved[lane.index]
         idle = [
-            IdleSession(other.index, self.pool.reserved[other.index], other.last_used)
+            IdleLane(other.index, self.pool.reserved[other.index], other.last_used)
             for other in self.lanes
             if other.request is None and other is not lane and other.tokens
         ]
@@ -139,7 +143,7 @@ class Scheduler:
         else:
             hit = None
             self.give_way(lane, m)  # the lane's conversation diverges at m
-        if not self.make_room(lane, len(req.prompt)):
+        if not self.reserve_for(lane, len(req.prompt)):
             self.counters.refusals += 1
             raise KvPoolFull(
                 f"KV pool full: {len(req.prompt)} prompt tokens need "
@@ -184,7 +188,7 @@ class Scheduler:
             if req is None or req.prefilling or lane.pending is None:
                 continue
             pos = len(lane.tokens)
-            if self.pool.capacity(lane.index) <= pos and not self.make_room(lane, pos + 1):
+            if self.pool.backed(lane.index) <= pos and not self.reserve_for(lane, pos + 1):
                 stuck.append(lane)
                 continue
             seqs.append(SeqSpec(lane.index, pos, 1))

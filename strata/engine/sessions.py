@@ -12,7 +12,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from strata.engine.parking import write_runs
+import torch
+
 from strata.engine.scheduler import Lane, Scheduler
 from strata.engine.snapshot import load_session, peek_session, resolve_session_path, save_session
 from strata.errors import BadRequest, KvPoolFull, StrataError
@@ -51,8 +52,7 @@ class SessionFiles:
         n = len(lane.tokens)
         if n == 0:
             raise BadRequest(f"lane {lane_index} holds no conversation to save", "id_slot")
-        cells = self.pool.cells_of_range(lane.index, 0, n)
-        layers = [self.pool.export_cells(layer, cells) for layer in range(len(self.pool.layers))]
+        layers = self.pool.export_range(lane.index, 0, n)
         size = save_session(path, lane.tokens, layers, model_identity=self.identity,
                             kv_format=self.pool.fmt.name)
         return SessionResult(lane_index, filename, n, size)
@@ -86,10 +86,11 @@ class SessionFiles:
             raise KvPoolFull(f"KV pool full: restoring {n} tokens needs {need} chunks",
                              retry_after=self.scheduler.retry_after)
         self.scheduler.give_way(lane, 0)
-        if not self.scheduler.make_room(lane, n):
+        if not self.scheduler.reserve_for(lane, n):
             raise KvPoolFull(f"KV pool full: restoring {n} tokens needs {need} chunks",
                              retry_after=self.scheduler.retry_after)
-        write_runs(self.pool, lane.index, layers, n)
+        self.pool.import_range(lane.index, 0, [{k: torch.as_tensor(a[:n]) for k, a in runs.items()}
+                                               for runs in layers])
         lane.tokens = tokens.tolist()
         return SessionResult(lane_index, filename, n, path.stat().st_size)
 

@@ -1,6 +1,6 @@
 """Who gives chunks back when the pool is full: a pure function, no mechanism.
 
-Order (seed 000): idle sessions' cached conversations give their chunks back,
+Order (seed 000): idle lanes' cached conversations give their chunks back,
 least recently used first; if that is still not enough the caller refuses
 the request (KvPoolFull) or, for a decoding lane, truncates it.
 """
@@ -11,14 +11,14 @@ from dataclasses import dataclass
 
 
 @dataclass(frozen=True)
-class IdleSession:
-    session: int
+class IdleLane:
+    lane: int
     chunks: int  # chunks its cached conversation holds
     last_used: float  # when it last served a request (monotonic clock)
 
 
-def choose_evictions(need: int, free: int, idle: list[IdleSession]) -> list[int] | None:
-    """Sessions whose caches to drop, LRU first, so that `need` chunks are free.
+def choose_evictions(need: int, free: int, idle: list[IdleLane]) -> list[int] | None:
+    """Lanes whose caches to drop, LRU first, so that `need` chunks are free.
 
     Returns [] when `free` already covers `need`, and None when even every
     idle cache is not enough (nothing should then be evicted).
@@ -27,10 +27,10 @@ def choose_evictions(need: int, free: int, idle: list[IdleSession]) -> list[int]
         return []
     chosen: list[int] = []
     have = free
-    for s in sorted(idle, key=lambda s: (s.last_used, s.session)):
+    for s in sorted(idle, key=lambda s: (s.last_used, s.lane)):
         if s.chunks <= 0:
             continue
-        chosen.append(s.session)
+        chosen.append(s.lane)
         have += s.chunks
         if have >= need:
             return chosen

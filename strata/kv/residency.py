@@ -8,9 +8,9 @@ stay? Nothing here touches memory, so the order can be tested on its own.
 The order, most worth keeping first:
 1. blocks the current read needs (evicting one of those costs a host read now;
    evicting any other block costs at most a copy later);
-2. protected blocks: a session's first blocks (attention sinks, read by every
+2. protected blocks: a lane's first blocks (attention sinks, read by every
    query with large weight), its most recent blocks (the ones decode keeps
-   writing and reading), and every block of a short session;
+   writing and reading), and every block of a short lane;
 3. the most recently used;
 4. blocks already resident (so equal candidates cause no copy);
 5. the lower block id (a fixed tie-break: the same history gives the same cache).
@@ -25,9 +25,9 @@ import torch
 
 @dataclass(frozen=True)
 class ResidencyConfig:
-    sink_blocks: int = 1  # a session's first blocks kept resident
-    recent_blocks: int = 2  # a session's last blocks kept resident
-    short_blocks: int = 4  # a session spanning at most this many blocks keeps all of them
+    sink_blocks: int = 1  # a lane's first blocks kept resident
+    recent_blocks: int = 2  # a lane's last blocks kept resident
+    short_blocks: int = 4  # a lane spanning at most this many blocks keeps all of them
 
 
 @dataclass(frozen=True)
@@ -38,15 +38,15 @@ class BlockUsage:
     last_use: torch.Tensor  # int64 clock of the block's last read
     needed: torch.Tensor  # bool: the current read needs it
     resident: torch.Tensor  # bool: it is in the cache now
-    index: torch.Tensor  # int64 block's index inside its session; -1 when no session owns it
-    span: torch.Tensor  # int64 blocks its session spans; 0 when no session owns it
+    index: torch.Tensor  # int64 block's index inside its lane; -1 when no lane owns it
+    span: torch.Tensor  # int64 blocks its lane spans; 0 when no lane owns it
 
     def __len__(self) -> int:
         return int(self.block.numel())
 
 
 def protected(index: torch.Tensor, span: torch.Tensor, cfg: ResidencyConfig) -> torch.Tensor:
-    """Bool mask: sinks, recent blocks, and all blocks of short sessions (owned blocks only)."""
+    """Bool mask: sinks, recent blocks, and all blocks of short lanes (owned blocks only)."""
     owned = index >= 0
     sink = index < cfg.sink_blocks
     recent = index >= span - cfg.recent_blocks

@@ -1,10 +1,12 @@
 """KV streaming (`--kv-resident N`): all K/V in a host store, N cells per layer on the device.
 
-The pool's own storage (`pool.layers`) is the host store: pinned memory when
-the device is CUDA, so host -> device copies can be asynchronous. The device
+`StreamedPool` is a KvPool whose own storage (`pool.layers`) is the host
+store: pinned memory when the device is CUDA, so host -> device copies can be
+asynchronous. Its chunk tables and the cell indices attention builds live on
+the device; its `store` (a `StreamStore`) is the device block cache. The device
 holds a cache of BLOCKS (a block is `block_cells` consecutive pool cells,
 block id `cell // block_cells`); the cache maps pool cells, not positions, so
-moving a conversation between sessions (a chunk-table swap) needs no cache
+moving a conversation between lanes (a chunk-table swap) needs no cache
 change, and chunk tables keep addressing the host store.
 
 - `read` resolves the blocks a read needs: hits are read where they sit in the
@@ -23,38 +25,30 @@ streamed attention equals resident attention bit for bit
 CPU buffer and the same code runs.
 
 On CUDA the engine does not use `read`/`write` but the Triton kernels over the
-cache (`strata.attention.triton_stream`, docs/GPU_STREAMING.md): it resolves every
-layer's residency at the start of a step (`plan_layers`), copies misses on a
-side stream ahead of the layers that read them (`overlap`), one gather launch
-per layer reading the pinned store in place (`gather`), and writes new
+cache (`strata/attention/triton_stream.py`, docs/GPU_STREAMING.md): it resolves
+every layer's residency at the start of a step (`plan_layers`), copies misses
+on a side stream ahead of the layers that read them (`overlap`), one gather
+launch per layer reading the pinned store in place (`gather`), and writes new
 K/V behind, to the host store, without a host sync (`settle()` lands them
-before anyone reads the host store directly).
+before anyone reads the host store directly; the pool's raw cell I/O settles
+first).
 """
 
 from __future__ import annotations
 
 import math
-import os
 from dataclasses import asdict, dataclass
 
+import numpy as np
 import torch
 
+from strata.knobs import flag
 from strata.kv.formats import KvFormat, Storage
 from strata.kv.pool import KvPool
 from strata.kv.residency import BlockUsage, ResidencyConfig, choose_resident
+from strata.kv.stream_copies import StreamCopies, coalesce
 
 DEFAULT_BLOCK_CELLS = 64
-OVERLAP_ENV = "STRATA_STREAM_OVERLAP"  # "0": the CUDA path copies each layer's misses, then waits
-GATHER_ENV = "STRATA_STREAM_GATHER"  # "0": the CUDA path copies with one `copy_` per run of blocks
-
-
-def overlap_default() -> bool:
-    return os.environ.get(OVERLAP_ENV, "1") != "0"
-
-
-def gather_default() -> bool | None:
-    """None (the CUDA path's choice: the gather kernel where it can run), or False from the env."""
-    return None if os.environ.get(GATHER_ENV, "1") != "0" else False
 
 
 @dataclass
@@ -75,66 +69,8 @@ class StreamStats:
         return {**asdict(self), "hit_rate": self.hit_rate}
 
 
-# (dest on the device, dest rows, src in host memory, src rows): see _Uploader.copy
-Job = tuple[torch.Tensor, torch.Tensor | int, torch.Tensor, torch.Tensor]
-
-
-class _Uploader:
-    """Host -> device row copies, `dest[dest_rows] = src[src_rows]`, one index_copy_ per job.
-
-    On CUDA the rows are gathered into pinned staging buffers and copied
-    non_blocking on a side stream; the compute stream waits on an event, and
-    the side stream first waits for the compute stream (which may still be
-    reading the rows about to be overwritten).
-    """
-
-    def __init__(self, device: torch.device) -> None:
-        self.device = device
-        self.cuda = device.type == "cuda"
-        self.stream = torch.cuda.Stream(device) if self.cuda else None
-        self.done: torch.cuda.Event | None = None
-        self.staging: dict[tuple, torch.Tensor] = {}
-
-    def copy(self, jobs: list[Job]) -> None:
-        """Rows are int64 on the CPU; dest rows may be an int, the first of consecutive
-        rows (then no scatter is needed)."""
-        if not self.cuda:
-            for dest, dest_rows, src, src_rows in jobs:
-                if isinstance(dest_rows, int):
-                    out = dest[dest_rows : dest_rows + src_rows.numel()]
-                    torch.index_select(src, 0, src_rows, out=out)
-                else:
-                    dest.index_copy_(0, dest_rows, src.index_select(0, src_rows))
-            return
-        assert self.stream is not None
-        if self.done is not None:
-            self.done.synchronize()  # the staging buffers are free again
-        main = torch.cuda.current_stream(self.device)
-        self.stream.wait_stream(main)
-        with torch.cuda.stream(self.stream):
-            for i, (dest, dest_rows, src, src_rows) in enumerate(jobs):
-                stage = self._stage((i, tuple(src.shape[1:]), src.dtype), src_rows.numel())
-                torch.index_select(src, 0, src_rows, out=stage)
-                if isinstance(dest_rows, int):
-                    dest[dest_rows : dest_rows + stage.shape[0]].copy_(stage, non_blocking=True)
-                else:
-                    dest.index_copy_(0, dest_rows.to(self.device, non_blocking=True),
-                                     stage.to(self.device, non_blocking=True))
-            self.done = torch.cuda.Event()
-            self.done.record(self.stream)
-        main.wait_event(self.done)
-
-    def _stage(self, key: tuple, m: int) -> torch.Tensor:
-        buf = self.staging.get(key)
-        if buf is None or buf.shape[0] < m:
-            buf = torch.empty((max(m, 2 * (0 if buf is None else buf.shape[0])), *key[1]),
-                              dtype=key[2]).pin_memory()
-            self.staging[key] = buf
-        return buf[:m]
-
-
 class StreamStore:
-    """The device block cache over a pool's host store; set as `pool.store`.
+    """The device block cache over a streamed pool's host store (`StreamedPool.store`).
 
     Device memory is one tensor per run: layer l's `resident` cells at rows
     [l * R, (l + 1) * R), then a scratch tail shared by all layers for the
@@ -151,7 +87,7 @@ class StreamStore:
         overlap: bool | None = None,
         gather: bool | None = None,
     ) -> None:
-        # A block must not straddle two chunks, or one block would mix sessions.
+        # A block must not straddle two chunks, or one block would mix lanes.
         self.block = math.gcd(block_cells, pool.chunk_size)
         self.slots = resident_cells // self.block
         if self.slots < 1:
@@ -172,20 +108,19 @@ class StreamStore:
         self.block_slot = torch.full((n_layers, self.num_blocks), -1, dtype=torch.int64)
         self.slot_block = torch.full((n_layers, self.slots), -1, dtype=torch.int64)
         self.last_use = torch.zeros((n_layers, self.slots), dtype=torch.int64)
-        self.span = torch.zeros(pool.num_sessions, dtype=torch.int64)  # blocks per session
+        self.span = torch.zeros(pool.num_lanes, dtype=torch.int64)  # blocks per lane
         self.clock = 0
         self.stats = StreamStats()
-        self.uploader = _Uploader(self.device)
         self._maps_key: tuple[torch.Tensor, tuple[int, ...]] | None = None
         self._maps: tuple[torch.Tensor, torch.Tensor] = (torch.empty(0), torch.empty(0))
-        # The CUDA path (attention/triton_stream.py): copy layer L's misses while earlier layers compute
-        # (False: copy, then wait, as `read` does); its per-store state (streams, events,
-        # write-behind) lives in `gpu`, made on first use. `gather`: how it copies a layer's misses:
-        # one gather launch reading the pinned store in place (True), one `copy_` per run of blocks
-        # (False), or None: the gather kernel on CUDA where it can run (kernels/triton/gather.py).
-        self.overlap = overlap_default() if overlap is None else overlap
-        self.gather: bool | None = gather_default() if gather is None else gather
-        self.gpu = None
+        # How the CUDA path (attention/triton_stream.py) copies: layer L's misses while earlier
+        # layers compute (`overlap`; False: copy, then wait, as `read` does); by one gather launch
+        # reading the pinned store in place (`gather` True), one `copy_` per run of blocks (False),
+        # or None: the gather kernel on CUDA where it can run. Defaults: the knobs (strata/knobs.py).
+        self.overlap = flag("STRATA_STREAM_OVERLAP") if overlap is None else overlap
+        self.gather: bool | None = gather if gather is not None else (
+            None if flag("STRATA_STREAM_GATHER") else False)
+        self.copies = StreamCopies(self)
 
     # ---- figures -------------------------------------------------------------
     def host_bytes(self) -> int:
@@ -196,7 +131,7 @@ class StreamStore:
         return sum(t.nbytes for t in self.area.values())
 
     def figures(self) -> dict[str, float | int | bool]:
-        pinned = self.uploader.cuda and all(t.is_pinned() for st in self.host for t in st.values())
+        pinned = self.copies.cuda and all(t.is_pinned() for st in self.host for t in st.values())
         return {
             **self.stats.as_dict(),
             "resident_cells": self.rows,
@@ -243,17 +178,23 @@ class StreamStore:
         if not bool(res.all()):
             direct, where = torch.unique(cells_h[~res], return_inverse=True)
             self._ensure_scratch(direct.numel())
-            self.uploader.copy([(self.area[name], self.scratch0, src, direct)
-                                for name, src in self.host[layer].items()])
+            d = direct.numpy()
+            self.copies.copy_now(layer, coalesce(d, self.scratch0 + np.arange(d.size)))
             self.stats.overflow_bytes += direct.numel() * self.fmt.cell_bytes()
             at[~res] = self.scratch0 + where
         return self.fmt.read(self.area, at.to(self.device), dtype)
 
     def _ensure_scratch(self, cells: int) -> None:
         have = next(iter(self.area.values())).shape[0] - self.scratch0
-        if cells <= have:
+        if cells > have:
+            self.grow_area(self.scratch0 + max(cells, 2 * have))
+
+    def grow_area(self, rows: int) -> None:
+        """At least `rows` device rows: the resident cells are kept, the scratch tail is not.
+        The caller makes sure no copy or read of the old area is still in flight."""
+        if rows <= next(iter(self.area.values())).shape[0]:
             return
-        grown = self.fmt.allocate(self.scratch0 + max(cells, 2 * have), self.device)
+        grown = self.fmt.allocate(rows, self.device)
         for name, t in grown.items():
             t[: self.scratch0].copy_(self.area[name][: self.scratch0])
         self.area = grown
@@ -262,15 +203,14 @@ class StreamStore:
     def settle(self) -> None:
         """Land every write still on its way to the host store, and let in-flight copies out of
         it finish: after this the host store may be read or written directly."""
-        if self.gpu is not None:
-            self.gpu.settle()
+        self.copies.settle()
 
     # ---- host writes behind the store's back ------------------------------------
     def invalidate(self, cells: torch.Tensor | None = None) -> None:
         """Drop cached blocks holding `cells` (all blocks if None) in every layer.
 
         For code that fills the host store directly (a conversation restore, a
-        session file): the next read copies those blocks in again.
+        lane file): the next read copies those blocks in again.
         """
         if cells is None:
             self.settle()
@@ -324,11 +264,11 @@ class StreamStore:
         resident_blocks = self.slot_block[layer][occupied]
         cand = torch.cat([resident_blocks, misses])
         n_res = occupied.numel()
-        index, session = self._session_info(cand)
+        index, lane = self._lane_info(cand)
         needed = torch.cat([self.last_use[layer][occupied] == self.clock,
                             torch.ones(misses.numel(), dtype=torch.bool)])
-        self._update_spans(session[needed], index[needed])
-        span = torch.where(session >= 0, self.span[session.clamp(min=0)], 0)
+        self._update_spans(lane[needed], index[needed])
+        span = torch.where(lane >= 0, self.span[lane.clamp(min=0)], 0)
         usage = BlockUsage(
             block=cand,
             last_use=torch.cat([self.last_use[layer][occupied],
@@ -359,33 +299,29 @@ class StreamStore:
         self.stats.bytes_copied += m * self.block * self.fmt.cell_bytes()
 
     def _copy_in(self, layer: int, blocks: torch.Tensor, slots: torch.Tensor) -> None:
-        """Copy `blocks` host -> cache `slots`: one index_copy_ per run for all of them."""
-        m = blocks.numel()
-        if m == 0:
+        """Copy `blocks` host -> cache `slots` (runs of consecutive blocks), then admit them."""
+        if blocks.numel() == 0:
             return
-        jobs = []
-        for name, src in self.host[layer].items():
-            shape = (self.block, *src.shape[1:])
-            rows = self.area[name][layer * self.rows : (layer + 1) * self.rows]
-            dest = rows.view(self.slots, *shape)
-            jobs.append((dest, slots, src.view(self.num_blocks, *shape), blocks))
-        self.uploader.copy(jobs)
+        b = self.block
+        first = layer * self.slots
+        runs = coalesce(blocks.numpy(), first + slots.numpy())
+        self.copies.copy_now(layer, [(src * b, dst * b, n * b) for src, dst, n in runs])
         self._admit(layer, blocks, slots)
 
-    # ---- session information for the policy ------------------------------------------
-    def _session_info(self, blocks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """(index of each block inside its session or -1, its session or -1) from the tables."""
+    # ---- lane information for the policy ------------------------------------------
+    def _lane_info(self, blocks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(index of each block inside its lane or -1, its lane or -1) from the tables."""
         pool = self.pool
         owner, entry = self._chunk_maps()
         first_cell = blocks * self.block
         chunk = first_cell // pool.chunk_size
-        session = owner[chunk]
+        lane = owner[chunk]
         pos = entry[chunk] * pool.chunk_size + first_cell % pool.chunk_size
-        index = torch.where(session >= 0, pos // self.block, -1)
-        return index, session
+        index = torch.where(lane >= 0, pos // self.block, -1)
+        return index, lane
 
     def _chunk_maps(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """Per pool chunk: the owning session and its table entry (-1: free or trash).
+        """Per pool chunk: the owning lane and its table entry (-1: free or trash).
 
         Rebuilt only when the chunk tables changed since the last call.
         """
@@ -400,65 +336,75 @@ class StreamStore:
         n_chunks = pool.num_chunks + 1
         owner = torch.full((n_chunks,), -1, dtype=torch.int64)
         entry = torch.full((n_chunks,), -1, dtype=torch.int64)
-        owner[tables[owned]] = torch.arange(pool.num_sessions)[:, None].expand_as(tables)[owned]
+        owner[tables[owned]] = torch.arange(pool.num_lanes)[:, None].expand_as(tables)[owned]
         entry[tables[owned]] = torch.arange(width)[None, :].expand_as(tables)[owned]
         self._maps_key = (tables.clone(), reserved)
         self._maps = (owner, entry)
         return self._maps
 
-    def _update_spans(self, session: torch.Tensor, index: torch.Tensor) -> None:
-        """A read covers its sessions' positions [0, end): their spans are known exactly now."""
-        ok = session >= 0
+    def _update_spans(self, lane: torch.Tensor, index: torch.Tensor) -> None:
+        """A read covers its lanes' positions [0, end): their spans are known exactly now."""
+        ok = lane >= 0
         if bool(ok.any()):
-            s, i = session[ok], index[ok]
+            s, i = lane[ok], index[ok]
             self.span[s.unique()] = 0
             self.span.scatter_reduce_(0, s, i + 1, reduce="amax")
 
 
-def streamed_pool(
-    fmt: KvFormat,
-    num_layers: int,
-    num_sessions: int,
-    max_context: int,
-    chunk_size: int,
-    pool_tokens: int | None,
-    device: torch.device | str,
-    resident_cells: int,
-    block_cells: int = DEFAULT_BLOCK_CELLS,
-    residency: ResidencyConfig | None = None,
-    overlap: bool | None = None,
-    gather: bool | None = None,
-) -> KvPool:
+class StreamedPool(KvPool):
     """A KvPool whose storage is the host store and whose cell I/O streams to `device`.
 
     The chunk tables and the cell indices attention builds stay on `device`;
-    only the storage lives on the host (pinned when `device` is CUDA).
+    only the storage lives on the host (pinned when `device` is CUDA). Raw
+    cell I/O (parking, session files) reads and writes the host store
+    directly, so it lands the writes still on their way there first, and an
+    import drops the cached blocks it overwrote.
     """
-    dev = torch.device(device)
-    pool = KvPool(fmt, num_layers, num_sessions, max_context, chunk_size, pool_tokens,
-                  "cpu", pin=dev.type == "cuda")
-    if dev.type != "cpu":
-        pool.device = dev
-        pool.tables_device = pool.tables.to(dev)
-    pool.store = StreamStore(pool, resident_cells, block_cells, dev, residency, overlap, gather)
-    _settle_before_host_io(pool)
-    return pool
 
+    in_place = False
 
-def _settle_before_host_io(pool: KvPool) -> None:
-    """Raw cell I/O of the pool (parking, session files) reads and writes the host store
-    directly: let writes still on their way to it land first (`StreamStore.settle`)."""
-    export_cells, import_cells = pool.export_cells, pool.import_cells
+    def __init__(
+        self,
+        fmt: KvFormat,
+        layers: int | range,
+        num_lanes: int,
+        max_context: int,
+        chunk_size: int,
+        pool_tokens: int | None,
+        device: torch.device | str,
+        resident_cells: int,
+        block_cells: int = DEFAULT_BLOCK_CELLS,
+        residency: ResidencyConfig | None = None,
+        overlap: bool | None = None,
+        gather: bool | None = None,
+    ) -> None:
+        dev = torch.device(device)
+        super().__init__(fmt, layers, num_lanes, max_context, chunk_size, pool_tokens, "cpu",
+                         pin=dev.type == "cuda")
+        self.device = dev
+        self.tables_device = self.tables.to(dev)
+        self.store = StreamStore(self, resident_cells, block_cells, dev, residency, overlap, gather)
 
-    def export_settled(layer: int, cells: torch.Tensor) -> Storage:
-        if pool.store is not None:
-            pool.store.settle()
-        return export_cells(layer, cells)
+    def local(self, layer: int) -> int:
+        """The store's index of model layer `layer`."""
+        return layer - self.layer_range.start
 
-    def import_settled(layer: int, cells: torch.Tensor, runs: Storage) -> None:
-        if pool.store is not None:
-            pool.store.settle()
-        import_cells(layer, cells, runs)
+    def write(self, layer: int, cells: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+        self.store.write(self.local(layer), cells, k, v)
 
-    pool.export_cells = export_settled  # type: ignore[method-assign]
-    pool.import_cells = import_settled  # type: ignore[method-assign]
+    def read(self, layer: int, cells: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.store.read(self.local(layer), cells, dtype)
+
+    def export_range(self, lane: int, start: int, end: int) -> list[Storage]:
+        self.store.settle()
+        return super().export_range(lane, start, end)
+
+    def import_range(self, lane: int, start: int, runs: list[Storage]) -> None:
+        self.store.settle()
+        super().import_range(lane, start, runs)
+        if runs:
+            n = next(iter(runs[0].values())).shape[0]
+            self.store.invalidate(self.cells_of_range(lane, start, start + n))
+
+    def figures(self) -> dict[str, float | int | bool]:
+        return self.store.figures()

@@ -1,7 +1,8 @@
-"""What every architecture shares: its configuration and the attention hook.
+"""What every architecture shares: its configuration.
 
 A model module never owns K/V. Each attention layer computes q, k, v (after
-RoPE and any q/k norm) and hands them to `AttentionContext.attend`, which
+RoPE and any q/k norm) and hands them to `AttentionContext.attend`
+(`strata/attention/base.py`), which
 writes k, v into the KV pool through the chunk tables and returns the
 attention output. That keeps the pool, the cell formats, streaming and the
 GPU kernels out of model code.
@@ -10,9 +11,7 @@ GPU kernels out of model code.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Protocol
-
-import torch
+from typing import Any
 
 
 @dataclass
@@ -41,17 +40,3 @@ class ModelConfig:
     @property
     def attn_scale(self) -> float:
         return self.head_dim**-0.5
-
-
-class AttentionContext(Protocol):
-    """One forward step's view of the KV cache, built by the engine's runner.
-
-    The step's tokens are flattened to T rows (several sequences, each a run of
-    consecutive positions). `attend` stores k/v for those rows and returns, for
-    each row, causal attention over its sequence's cached cells plus the new
-    ones up to and including itself.
-    """
-
-    def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        """q: [T, Hq, D], k/v: [T, Hkv, D] -> [T, Hq, D]."""
-        ...

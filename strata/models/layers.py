@@ -17,8 +17,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from strata.attention.base import AttentionContext
 from strata.models import ops
-from strata.models.base import AttentionContext, ModelConfig
+from strata.models.base import ModelConfig
 from strata.models.rope import apply_rope, inverse_frequencies, rope_tables
 
 
@@ -201,16 +202,31 @@ class DecoderModel(nn.Module):
         cos, sin = rope_tables(inverse_frequencies(self.config), n, w.dtype, w.device)
         self.rope_cos, self.rope_sin = cos, sin
 
+    # The three seams a layer split stands on: the first stage embeds, every stage runs its
+    # layer range, the last one finishes with the head. `forward` is the three on one device.
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """input_ids [T] long -> hidden [T, hidden_size], the input of layer 0."""
+        return self.embed_tokens(input_ids)
+
+    def run_layers(self, h: torch.Tensor, positions: torch.Tensor, ctx: AttentionContext,
+                   start: int = 0, end: int | None = None) -> torch.Tensor:
+        """Layers [start, end) over hidden h [T, hidden_size] at `positions` [T] (long)."""
+        cos = self.rope_cos[positions].unsqueeze(1)
+        sin = self.rope_sin[positions].unsqueeze(1)
+        for layer in self.layers[start:end]:
+            h = layer.forward(h, cos, sin, ctx)
+        return h
+
+    def head(self, h: torch.Tensor) -> torch.Tensor:
+        """The last layer's hidden [N, hidden_size] -> float32 logits [N, vocab] (final norm, then
+        the output projection)."""
+        return self.compute_logits(self.norm.forward(h))
+
     def forward(
         self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: AttentionContext
     ) -> torch.Tensor:
         """input_ids, positions: [T] long -> hidden [T, hidden_size] after the final norm."""
-        h = self.embed_tokens(input_ids)
-        cos = self.rope_cos[positions].unsqueeze(1)
-        sin = self.rope_sin[positions].unsqueeze(1)
-        for layer in self.layers:
-            h = layer.forward(h, cos, sin, ctx)
-        return self.norm.forward(h)
+        return self.norm.forward(self.run_layers(self.embed(input_ids), positions, ctx))
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden [N, hidden_size] -> float32 logits [N, vocab]."""

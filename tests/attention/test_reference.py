@@ -5,9 +5,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from strata.attention.reference import SeqSpec, TableAttention
+from strata.attention.reference import TableAttention
 from strata.kv.formats import make_format
 from strata.kv.pool import KvPool
+from strata.kv.step import SeqSpec
 
 HQ, HKV, D = 6, 2, 16
 PATH: dict[str, bool | None] = {"kernel": None}
@@ -19,8 +20,8 @@ def attention_path(request: pytest.FixtureRequest) -> None:
     PATH["kernel"] = request.param
 
 
-def _pool(dtype_name: str, pool_tokens: int | None, sessions: int = 3, chunk: int = 8) -> KvPool:
-    return KvPool(make_format(dtype_name, HKV, D), 1, sessions, 200, chunk, pool_tokens)
+def _pool(dtype_name: str, pool_tokens: int | None, lanes: int = 3, chunk: int = 8) -> KvPool:
+    return KvPool(make_format(dtype_name, HKV, D), 1, lanes, 200, chunk, pool_tokens)
 
 
 def _sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, start: int) -> torch.Tensor:
@@ -36,8 +37,8 @@ def _sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, start: int) -> torc
 
 def _run(pool: KvPool, seqs: list[SeqSpec], q, k, v) -> torch.Tensor:
     for s in seqs:
-        assert pool.reserve(s.session, s.end)
-    ctx = TableAttention(pool, seqs, HQ, D**-0.5, q.dtype, kernel=PATH["kernel"])
+        assert pool.reserve(s.lane, s.end)
+    ctx = TableAttention(pool, seqs, D**-0.5, kernel=PATH["kernel"])
     return ctx.attend(0, q, k, v)
 
 
@@ -46,7 +47,7 @@ def test_matches_sdpa_over_prefill_then_decode_float32() -> None:
     pool = _pool("fp32", pool_tokens=160)
     lens = {0: 37, 1: 5, 2: 130 - 64}
     hist = {s: (torch.randn(n, HKV, D), torch.randn(n, HKV, D)) for s, n in lens.items()}
-    # read each prompt in one step (all sessions together)
+    # read each prompt in one step (all lanes together)
     seqs = [SeqSpec(s, 0, n) for s, n in lens.items()]
     q = torch.randn(sum(lens.values()), HQ, D)
     k = torch.cat([hist[s][0] for s in lens])
@@ -57,7 +58,7 @@ def test_matches_sdpa_over_prefill_then_decode_float32() -> None:
         ref = _sdpa(q[off : off + n], hist[s][0], hist[s][1], 0)
         torch.testing.assert_close(out[off : off + n].double(), ref, atol=1e-5, rtol=1e-5)
         off += n
-    # three decode steps for all sessions
+    # three decode steps for all lanes
     for _ in range(3):
         seqs = [SeqSpec(s, lens[s], 1) for s in lens]
         q = torch.randn(len(lens), HQ, D)
@@ -81,7 +82,7 @@ def test_bf16_result_independent_of_batch_company_and_chunking() -> None:
     qa, ka, va = (torch.randn(n, h, D).bfloat16() for h in (HQ, HKV, HKV))
     # alone, the whole prompt in one step
     alone = _run(_pool("bf16", None), [SeqSpec(0, 0, n)], qa, ka, va)
-    # split into a 33-token chunk and then single-token steps, beside a busy other session
+    # split into a 33-token chunk and then single-token steps, beside a busy other lane
     pool = _pool("bf16", 240)
     other_q, other_k, other_v = (torch.randn(150, h, D).bfloat16() for h in (HQ, HKV, HKV))
     pieces = [_run(pool, [SeqSpec(0, 0, 33), SeqSpec(1, 0, 90)],

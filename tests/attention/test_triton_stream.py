@@ -23,27 +23,30 @@ if HAVE_TRITON:  # before Triton is imported: the interpreter is chosen then
 else:
     INTERPRET = False
 
-from strata.attention.reference import SeqSpec, TableAttention
+from strata.attention.reference import TableAttention
+from strata.attention.select import backend_for
+from strata.attention.triton_stream import plan_step
 from strata.kv.formats import make_format
 from strata.kv.pool import KvPool
-from strata.kv.stream import GATHER_ENV, OVERLAP_ENV, StreamStore, streamed_pool
-from strata.attention.triton_stream import StreamState, _Behind, coalesce, plan_step, state_of, stream_context
+from strata.kv.step import SeqSpec
+from strata.kv.stream import StreamedPool, StreamStore
+from strata.kv.stream_copies import StreamCopies, WriteBehind, coalesce
 from tests.kv.test_stream import _one_thread  # noqa: F401 - autouse: one torch thread here too
 
 HQ, HKV, D = 4, 2, 32
 LAYERS, SESSIONS, CHUNK, MAX_CONTEXT = 3, 3, 32, 320
-BLOCK, RESIDENT = 16, 64  # 4 blocks per layer against sessions of up to 20
+BLOCK, RESIDENT = 16, 64  # 4 blocks per layer against lanes of up to 20
 KERNEL_DEV = "cuda" if torch.cuda.is_available() else ("cpu" if INTERPRET else None)
 
 
 def _streamed(fmt: str = "bf16", device: str = "cpu", resident: int = RESIDENT,
               pool_tokens: int | None = None, overlap: bool | None = None) -> KvPool:
-    return streamed_pool(make_format(fmt, HKV, D), LAYERS, SESSIONS, MAX_CONTEXT, CHUNK, pool_tokens,
+    return StreamedPool(make_format(fmt, HKV, D), LAYERS, SESSIONS, MAX_CONTEXT, CHUNK, pool_tokens,
                          device, resident_cells=resident, block_cells=BLOCK, overlap=overlap)
 
 
 def _fill(pool: KvPool, lens: dict[int, int], seed: int = 0) -> None:
-    """Random cells at positions [0, n) of each session, straight into the host store."""
+    """Random cells at positions [0, n) of each lane, straight into the host store."""
     gen = torch.Generator().manual_seed(seed)
     for s, n in lens.items():
         assert pool.reserve(s, n + 8)
@@ -73,7 +76,9 @@ def test_plan_pairs_are_the_runs_block_by_block() -> None:
         p = plan.pairs[layer]
         assert p.dtype == np.int64 and p.shape[1] == 2
         assert bool((np.diff(p[:, 0]) > 0).all())  # by host block, each once
-        expanded = [(s + i, d + i) for s, d, n in plan.runs[layer] for i in range(n)]
+        b = store.block  # runs count cells, pairs count blocks
+        assert all(s % b == 0 and d % b == 0 and n % b == 0 for s, d, n in plan.runs[layer])
+        expanded = [(s // b + i, d // b + i) for s, d, n in plan.runs[layer] for i in range(n // b)]
         assert expanded == [tuple(x) for x in p.tolist()]
         assert int((p[:, 1] >= store.scratch0 // store.block).sum()) == plan.overflow[layer] > 0
 
@@ -81,7 +86,7 @@ def test_plan_pairs_are_the_runs_block_by_block() -> None:
 @pytest.mark.parametrize("ring", [1, 2])
 def test_translated_tables_address_the_host_cells(ring: int) -> None:
     """After a step's copies, every position a sequence reads sits at its translated row."""
-    pool = _streamed("int8", pool_tokens=8 * CHUNK)  # shared: chunks scattered between sessions
+    pool = _streamed("int8", pool_tokens=8 * CHUNK)  # shared: chunks scattered between lanes
     for s, n in [(0, 20), (1, 40), (0, 70), (2, 5), (1, 90)]:
         assert pool.reserve(s, n)
     _fill(pool, {0: 70, 1: 90, 2: 5})
@@ -89,7 +94,7 @@ def test_translated_tables_address_the_host_cells(ring: int) -> None:
     assert isinstance(store, StreamStore)
     seqs = [SeqSpec(0, 69, 1), SeqSpec(1, 60, 30), SeqSpec(2, 4, 1)]
     plan = plan_step(store, seqs, ring)
-    state = state_of(store)
+    state = store.copies
     B = store.block
     assert plan.tables.shape == (LAYERS, 3, -(-90 // B))
     for layer in range(LAYERS):  # (layers share scratch regions: check each before the next copies)
@@ -97,14 +102,14 @@ def test_translated_tables_address_the_host_cells(ring: int) -> None:
         for i, s in enumerate(seqs):
             pos = torch.arange(s.end)
             rows = plan.tables[layer, i, pos // B] * B + pos % B
-            cells = pool.cells(s.session, pos)
+            cells = pool.cells(s.lane, pos)
             for name, t in store.area.items():
                 assert torch.equal(t[rows], pool.layers[layer][name][cells]), (layer, i, name)
         # new tokens are written at their sequence's rows, which the reads above cover
         tok = torch.cat([torch.arange(s.start, s.end) for s in seqs])
         seq = torch.cat([torch.full((s.n,), i) for i, s in enumerate(seqs)])
         assert torch.equal(plan.write_rows[layer], plan.tables[layer, seq, tok // B] * B + tok % B)
-    assert torch.equal(plan.cells, torch.cat([pool.cells_of_range(s.session, s.start, s.end)
+    assert torch.equal(plan.cells, torch.cat([pool.cells_of_range(s.lane, s.start, s.end)
                                               for s in seqs]))
     # 4 slots against 12 needed blocks: the rest from scratch regions, one per ring slot
     assert all(o == plan.need.numel() - store.slots for o in plan.overflow)
@@ -125,7 +130,7 @@ def test_residency_for_all_layers_matches_the_per_layer_reads() -> None:
     assert isinstance(sa, StreamStore) and isinstance(sb, StreamStore)
     for step in range(5):
         seqs = [SeqSpec(s, n + step, 1) for s, n in lens.items()]
-        cells = torch.cat([a.cells_of_range(s.session, 0, s.end) for s in seqs])
+        cells = torch.cat([a.cells_of_range(s.lane, 0, s.end) for s in seqs])
         need = torch.unique(cells // sa.block)
         plans = sa.plan_layers(need)
         for layer in range(LAYERS):
@@ -141,7 +146,7 @@ def test_write_behind_lands_at_flush_and_before_host_io() -> None:
     _fill(pool, {0: 30})
     store = pool.store
     assert isinstance(store, StreamStore)
-    state = state_of(store)
+    state = store.copies
     cells = pool.cells_of_range(0, 30, 33)
     src = make_format("k8v4", HKV, D).allocate(LAYERS * 3, "cpu")
     gen = torch.Generator().manual_seed(5)
@@ -150,11 +155,11 @@ def test_write_behind_lands_at_flush_and_before_host_io() -> None:
         t.copy_(torch.randint(0, 100, t.shape, generator=gen).to(t.dtype))
         stage[name][: LAYERS * 3].copy_(t)
     before = {n: t[cells].clone() for n, t in pool.layers[1].items()}
-    state.behind = _Behind(cells, 3, {0, 1, 2}, dirty=True)
+    state.behind = WriteBehind(cells, 3, {0, 1, 2}, dirty=True)
     state.send_behind()
     for n, t in pool.layers[1].items():  # sent, not yet scattered: the host store is unchanged
         assert torch.equal(t[cells], before[n])
-    runs = pool.export_cells(1, cells)  # raw host I/O settles first
+    runs = pool.export_range(0, 30, 33)[1]  # raw host I/O settles first
     assert state.behind is None
     for name in runs:
         assert torch.equal(runs[name], src[name][3:6])
@@ -164,21 +169,21 @@ def test_write_behind_lands_at_flush_and_before_host_io() -> None:
 
 
 def test_overlap_switch_and_context_choice(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setenv(OVERLAP_ENV, "0")
+    monkeypatch.setenv("STRATA_STREAM_OVERLAP", "0")
     assert _streamed().store.overlap is False
-    monkeypatch.setenv(OVERLAP_ENV, "1")
+    monkeypatch.setenv("STRATA_STREAM_OVERLAP", "1")
     assert _streamed().store.overlap is True
     assert _streamed(overlap=False).store.overlap is False
     # the gather switch: auto (None) by default, off from the env; the CPU copies with copy_
     # unless a test asks for the kernel (Triton's interpreter)
-    monkeypatch.setenv(GATHER_ENV, "0")
+    monkeypatch.setenv("STRATA_STREAM_GATHER", "0")
     assert _streamed().store.gather is False
-    monkeypatch.delenv(GATHER_ENV)
+    monkeypatch.delenv("STRATA_STREAM_GATHER")
     pool = _streamed()
-    assert pool.store.gather is None and state_of(pool.store).use_gather() is False
+    assert pool.store.gather is None and pool.store.copies.use_gather() is False
     # the CPU keeps the reference path; a plain pool is no streamed pool
-    assert stream_context(_streamed()) is TableAttention
-    assert isinstance(state_of(_streamed().store), StreamState)
+    assert backend_for(_streamed()) is TableAttention
+    assert isinstance(_streamed().store.copies, StreamCopies)
 
 
 def test_scratch_grows_and_keeps_resident_rows() -> None:
@@ -187,7 +192,7 @@ def test_scratch_grows_and_keeps_resident_rows() -> None:
     store = pool.store
     assert isinstance(store, StreamStore)
     first = plan_step(store, [SeqSpec(0, 39, 1)], 2)
-    state = state_of(store)
+    state = store.copies
     for layer in range(LAYERS):
         state.enqueue(layer, first.runs[layer], True)
     resident = {n: t[: store.scratch0].clone() for n, t in store.area.items()}
@@ -216,9 +221,9 @@ def _run_steps(fmt: str, overlap: bool, steps: int, device: str, resident: int =
 
     args = (make_format(fmt, HKV, D), LAYERS, SESSIONS, MAX_CONTEXT, CHUNK, 8 * CHUNK)
     res = KvPool(*args, device=device)
-    st = streamed_pool(*args, device=device, resident_cells=resident, block_cells=BLOCK,
+    st = StreamedPool(*args, device=device, resident_cells=resident, block_cells=BLOCK,
                        overlap=overlap, gather=gather)
-    ref = streamed_pool(*args, device=device, resident_cells=resident, block_cells=BLOCK)
+    ref = StreamedPool(*args, device=device, resident_cells=resident, block_cells=BLOCK)
     gen = torch.Generator().manual_seed(seed)
     dt = torch.bfloat16
     # prompts, then a mixed step (a prompt chunk over a cached prefix beside decode lanes), then decode
@@ -226,16 +231,16 @@ def _run_steps(fmt: str, overlap: bool, steps: int, device: str, resident: int =
     schedule += [{0: 1, 1: 1, 2: 1}] * steps
     cur = dict.fromkeys(range(SESSIONS), 0)
     for step in schedule:
-        seqs = [SeqSpec(sess, cur[sess], n) for sess, n in step.items()]
+        seqs = [SeqSpec(lane_ids, cur[lane_ids], n) for lane_ids, n in step.items()]
         for x in seqs:
-            cur[x.session] = x.end
+            cur[x.lane] = x.end
         t = sum(s.n for s in seqs)
         for p in (res, st, ref):
             for s in seqs:
-                assert p.reserve(s.session, s.end)
-        ctxs = [GpuTableAttention(res, seqs, HQ, D**-0.5, dt),
-                GpuStreamAttention(st, seqs, HQ, D**-0.5, dt),
-                TableAttention(ref, seqs, HQ, D**-0.5, dt, kernel=False)]
+                assert p.reserve(s.lane, s.end)
+        ctxs = [GpuTableAttention(res, seqs, D**-0.5),
+                GpuStreamAttention(st, seqs, D**-0.5),
+                TableAttention(ref, seqs, D**-0.5, kernel=False)]
         for layer in range(LAYERS):
             q, k, v = (torch.randn(t, h, D, generator=gen).to(device, dt) for h in (HQ, HKV, HKV))
             a, b, c = (ctx.attend(layer, q, k, v) for ctx in ctxs)
@@ -246,7 +251,7 @@ def _run_steps(fmt: str, overlap: bool, steps: int, device: str, resident: int =
     assert isinstance(store, StreamStore)
     assert store.stats.overflow_blocks > 0 and store.stats.hits > 0
     if gather is not None:
-        assert state_of(store).use_gather() is gather
+        assert store.copies.use_gather() is gather
     store.settle()
     for layer in range(LAYERS):
         for name, x in res.layers[layer].items():

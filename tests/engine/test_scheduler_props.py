@@ -34,7 +34,7 @@ def _check(sched: Scheduler) -> None:
     pool = sched.pool
     pool.check_invariants()
     for lane in sched.lanes:  # a lane's tokens always fit in what it holds
-        assert len(lane.tokens) <= pool.capacity(lane.index)
+        assert len(lane.tokens) <= pool.backed(lane.index)
         if pool.shared and lane.request is None:  # an idle lane holds no more than its conversation
             assert pool.reserved[lane.index] <= pool.chunks_for(len(lane.tokens) + 1)
 
@@ -64,7 +64,7 @@ def test_random_lifecycles_keep_the_pool_consistent(script: list, pool_tokens: i
                 continue
             for _ in range(b):
                 pos = len(lane.tokens)
-                if pos >= 40 or (pool.capacity(lane.index) <= pos and not sched.make_room(lane, pos + 1)):
+                if pos >= 40 or (pool.backed(lane.index) <= pos and not sched.reserve_for(lane, pos + 1)):
                     sched.release_lane(lane, keep_cache=False)  # truncated: chunks go back
                     break
                 lane.tokens.append(7)
@@ -96,6 +96,6 @@ def test_admission_reuses_the_longest_cached_prefix() -> None:
     lane = sched.admit(req)
     assert lane.index == 1 and req.cached == 6
     assert sched.counters.prefix_reuse_hits == 1 and sched.counters.prefix_tokens_reused == 6
-    assert pool.capacity(1) >= 8
+    assert pool.backed(1) >= 8
     pool.check_invariants()
     assert torch.equal(pool.tables_device.cpu(), pool.tables)

@@ -3,7 +3,7 @@
 Both contexts write the same K/V into their own copy of one pool layout and
 attend; the kernels must agree with the reference within what the compute
 dtype allows, and must be at least as close to float64 attention as the
-reference is. Odd lengths, chunk boundaries, trash entries, several sessions
+reference is. Odd lengths, chunk boundaries, trash entries, several lanes
 and mixed decode/prefill steps are covered.
 """
 
@@ -16,9 +16,11 @@ from tests.gpu.kernel_device import INTERPRET, kernel_device
 
 DEV = kernel_device()
 
-from strata.attention.reference import SeqSpec, TableAttention
+from strata.attention.reference import TableAttention
+from strata.kv.step import SeqSpec
 from strata.kv.formats import make_format
-from strata.attention.triton_pool import GpuTableAttention, context_class
+from strata.attention.select import backend_for
+from strata.attention.triton_pool import GpuTableAttention
 from strata.kv.pool import KvPool
 
 HQ, HKV, D = 8, 2, 64
@@ -29,9 +31,9 @@ REL = {torch.bfloat16: 1.5e-2, torch.float16: 3e-3, torch.float32: 1e-4}
 QUANT_REL = {"bf16": 0.0, "fp16": 0.0, "int8": 0.03, "q4_0": 0.2, "k8v4": 0.2}
 
 
-def _pools(fmt: str, sessions: int, max_context: int, pool_tokens: int | None,
+def _pools(fmt: str, lanes: int, max_context: int, pool_tokens: int | None,
            chunk: int = CHUNK) -> tuple[KvPool, KvPool]:
-    make = lambda: KvPool(make_format(fmt, HKV, D), 2, sessions, max_context, chunk,
+    make = lambda: KvPool(make_format(fmt, HKV, D), 2, lanes, max_context, chunk,
                           pool_tokens, DEV)
     return make(), make()
 
@@ -39,13 +41,13 @@ def _pools(fmt: str, sessions: int, max_context: int, pool_tokens: int | None,
 def _reserve(pools: tuple[KvPool, KvPool], order: list[tuple[int, int]]) -> None:
     """Reserve in the same interleaved order in both pools, so chunks are scattered alike."""
     for p in pools:
-        for session, n in order:
-            assert p.reserve(session, n)
+        for lane, n in order:
+            assert p.reserve(lane, n)
 
 
 def _exact(q: torch.Tensor, keys: list[torch.Tensor], vals: list[torch.Tensor],
            seqs: list[SeqSpec]) -> torch.Tensor:
-    """Float64 causal GQA attention of every query row over its session's full history."""
+    """Float64 causal GQA attention of every query row over its lane's full history."""
     out, off = [], 0
     for s, k, v in zip(seqs, keys, vals):
         qq = q[off : off + s.n].double()
@@ -64,22 +66,22 @@ def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
 
 
 class Scenario:
-    """Histories per session; each step appends tokens and checks both contexts."""
+    """Histories per lane; each step appends tokens and checks both contexts."""
 
-    def __init__(self, fmt: str, dtype: torch.dtype, sessions: int, max_context: int,
+    def __init__(self, fmt: str, dtype: torch.dtype, lanes: int, max_context: int,
                  pool_tokens: int | None = None, seed: int = 0, chunk: int = CHUNK) -> None:
         self.gen = torch.Generator(device=DEV).manual_seed(seed)
         self.dtype = dtype
         self.fmt = fmt
-        self.pools = _pools(fmt, sessions, max_context, pool_tokens, chunk)
+        self.pools = _pools(fmt, lanes, max_context, pool_tokens, chunk)
         self.hist: dict[int, tuple[list[torch.Tensor], list[torch.Tensor]]] = {}
 
-    def fill(self, session: int, n: int, layer: int = 0) -> None:
+    def fill(self, lane: int, n: int, layer: int = 0) -> None:
         """A history of n tokens written straight into both pools (`fmt.write`, no kernel)."""
         k, v = self._randn(n, HKV, D), self._randn(n, HKV, D)
         for p in self.pools:
-            p.write(layer, p.cells_of_range(session, 0, n), k, v)
-        self.hist[session] = ([k], [v])
+            p.write(layer, p.cells_of_range(lane, 0, n), k, v)
+        self.hist[lane] = ([k], [v])
 
     def _randn(self, *shape: int) -> torch.Tensor:
         return torch.randn(*shape, generator=self.gen, device=DEV).to(self.dtype)
@@ -89,14 +91,14 @@ class Scenario:
         t = sum(s.n for s in seqs)
         q, k, v = self._randn(t, HQ, D), self._randn(t, HKV, D), self._randn(t, HKV, D)
         ref_pool, gpu_pool = self.pools
-        ref = TableAttention(ref_pool, seqs, HQ, D**-0.5, self.dtype).attend(layer, q, k, v)
+        ref = TableAttention(ref_pool, seqs, D**-0.5).attend(layer, q, k, v)
         out = torch.full_like(q, float("nan"))  # poison: every row must be written
-        got = GpuTableAttention(gpu_pool, seqs, HQ, D**-0.5, self.dtype).attend(layer, q, k, v)
+        got = GpuTableAttention(gpu_pool, seqs, D**-0.5).attend(layer, q, k, v)
         out.copy_(got)
         assert torch.isfinite(out).all(), "a row was left unwritten or became NaN"
         keys, vals, off = [], [], 0
         for s in seqs:
-            hk, hv = self.hist.setdefault(s.session, ([], []))
+            hk, hv = self.hist.setdefault(s.lane, ([], []))
             assert sum(x.shape[0] for x in hk) == s.start, "test bookkeeping"
             hk.append(k[off : off + s.n])
             hv.append(v[off : off + s.n])
@@ -117,7 +119,7 @@ class Scenario:
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("fmt", ["bf16", "fp16"])
 def test_prefill_then_decode_plain(fmt: str, dtype: torch.dtype) -> None:
-    sc = Scenario(fmt, dtype, sessions=3, max_context=400, pool_tokens=None)
+    sc = Scenario(fmt, dtype, lanes=3, max_context=400, pool_tokens=None)
     lens = {0: 37, 1: 1, 2: 131}  # odd, a single token, past four chunk boundaries
     sc.check([SeqSpec(s, 0, n) for s, n in lens.items()])
     for _ in range(3):
@@ -128,8 +130,8 @@ def test_prefill_then_decode_plain(fmt: str, dtype: torch.dtype) -> None:
 @pytest.mark.parametrize("fmt", ["bf16", "fp16", "int8", "q4_0", "k8v4"])
 def test_shared_pool_scattered_chunks_and_chunked_prompt(fmt: str) -> None:
     dtype = torch.bfloat16
-    sc = Scenario(fmt, dtype, sessions=4, max_context=512, pool_tokens=16 * CHUNK, seed=1)
-    # interleaved reservations: each session's chunks are scattered through the pool
+    sc = Scenario(fmt, dtype, lanes=4, max_context=512, pool_tokens=16 * CHUNK, seed=1)
+    # interleaved reservations: each lane's chunks are scattered through the pool
     _reserve(sc.pools, [(0, 33), (1, 65), (2, 64), (0, 96), (3, 5), (1, 190), (2, 129)])
     for p in sc.pools:
         p.check_invariants()
@@ -137,7 +139,7 @@ def test_shared_pool_scattered_chunks_and_chunked_prompt(fmt: str) -> None:
     sc.check([SeqSpec(0, 0, 31), SeqSpec(1, 0, 70), SeqSpec(3, 0, 1)])
     sc.check([SeqSpec(0, 31, 2), SeqSpec(1, 70, 119), SeqSpec(3, 1, 1), SeqSpec(2, 0, 129)])
     sc.check([SeqSpec(0, 33, 1), SeqSpec(1, 189, 1), SeqSpec(2, 129, 1), SeqSpec(3, 2, 1)])
-    for i in range(2):  # sessions 0 and 3 still have reserved room
+    for i in range(2):  # lanes 0 and 3 still have reserved room
         sc.check([SeqSpec(0, 34 + i, 1), SeqSpec(3, 3 + i, 1)])
 
 
@@ -145,7 +147,7 @@ def test_shared_pool_scattered_chunks_and_chunked_prompt(fmt: str) -> None:
 def test_quantized_formats_in_fp16_compute(fmt: str) -> None:
     """fp16 compute: int8 V is dequantized per element (its scales would push fp16 probabilities
     into subnormals), and k8v4's rotation of the output ends in fp16."""
-    sc = Scenario(fmt, torch.float16, sessions=2, max_context=256, seed=6)
+    sc = Scenario(fmt, torch.float16, lanes=2, max_context=256, seed=6)
     sc.check([SeqSpec(0, 0, 70), SeqSpec(1, 0, 3)])
     sc.check([SeqSpec(0, 70, 1), SeqSpec(1, 3, 1)])
 
@@ -156,7 +158,7 @@ def test_long_context_uses_splits(fmt: str) -> None:
     from strata.kernels.triton.decode import plan_splits
 
     assert plan_splits(1, HKV, 5000, 132)[1] > 1
-    sc = Scenario(fmt, torch.bfloat16, sessions=2, max_context=6000, seed=2)
+    sc = Scenario(fmt, torch.bfloat16, lanes=2, max_context=6000, seed=2)
     sc.check([SeqSpec(0, 0, 4999), SeqSpec(1, 0, 300)])
     sc.check([SeqSpec(0, 4999, 1), SeqSpec(1, 300, 1)])
     sc.check([SeqSpec(0, 5000, 1)])
@@ -168,7 +170,7 @@ def test_q4_0_decode_over_tile_sized_chunks() -> None:
     64-cell chunks (one table entry per tile), in bf16, fp16 and float32 compute."""
     for fmt, dtype in (("q4_0", torch.bfloat16), ("k8v4", torch.bfloat16),
                        ("k8v4", torch.float16), ("q4_0", torch.float32)):
-        sc = Scenario(fmt, dtype, sessions=2, max_context=320, pool_tokens=12 * 64, seed=8,
+        sc = Scenario(fmt, dtype, lanes=2, max_context=320, pool_tokens=12 * 64, seed=8,
                       chunk=64)
         _reserve(sc.pools, [(0, 100), (1, 64), (0, 302), (1, 80)])
         sc.fill(0, 299)
@@ -179,7 +181,7 @@ def test_q4_0_decode_over_tile_sized_chunks() -> None:
 
 def test_trash_entries_are_never_read() -> None:
     """Large poisoned trash cells and unreserved table entries leave the output unchanged."""
-    sc = Scenario("bf16", torch.bfloat16, sessions=2, max_context=256, pool_tokens=8 * CHUNK, seed=3)
+    sc = Scenario("bf16", torch.bfloat16, lanes=2, max_context=256, pool_tokens=8 * CHUNK, seed=3)
     _reserve(sc.pools, [(0, 40), (1, 3)])
     sc.check([SeqSpec(0, 0, 40), SeqSpec(1, 0, 3)])
     for p in sc.pools:
@@ -190,7 +192,7 @@ def test_trash_entries_are_never_read() -> None:
 
 def test_layers_are_separate_and_writes_match_reference_bits() -> None:
     """Plain-format writes store exactly the bits `fmt.write` stores, in the right layer."""
-    sc = Scenario("bf16", torch.bfloat16, sessions=2, max_context=128, seed=4)
+    sc = Scenario("bf16", torch.bfloat16, lanes=2, max_context=128, seed=4)
     seqs = [SeqSpec(0, 0, 45), SeqSpec(1, 0, 2)]
     sc.step(seqs, layer=1)
     ref_pool, gpu_pool = sc.pools
@@ -201,7 +203,7 @@ def test_layers_are_separate_and_writes_match_reference_bits() -> None:
 
 @pytest.mark.parametrize("fmt", ["int8", "q4_0", "k8v4"])
 def test_quantized_writes_match_reference_bits(fmt: str) -> None:
-    sc = Scenario(fmt, torch.bfloat16, sessions=2, max_context=128, seed=5)
+    sc = Scenario(fmt, torch.bfloat16, lanes=2, max_context=128, seed=5)
     sc.step([SeqSpec(0, 0, 45), SeqSpec(1, 0, 1)])
     ref_pool, gpu_pool = sc.pools
     for name, t in ref_pool.layers[0].items():
@@ -209,10 +211,10 @@ def test_quantized_writes_match_reference_bits(fmt: str) -> None:
 
 
 @pytest.mark.skipif(INTERPRET, reason="the interpreted kernels run on a CPU pool")
-def test_context_class_picks_kernels_on_cuda_and_reference_on_cpu() -> None:
+def test_backend_for_picks_kernels_on_cuda_and_reference_on_cpu() -> None:
     gpu = KvPool(make_format("bf16", HKV, D), 1, 1, 64, CHUNK, None, DEV)
     cpu = KvPool(make_format("bf16", HKV, D), 1, 1, 64, CHUNK, None, "cpu")
-    assert context_class(gpu) is GpuTableAttention
-    assert context_class(cpu) is TableAttention
-    assert context_class(KvPool(make_format("fp32", HKV, D), 1, 1, 64, CHUNK, None, DEV)) \
+    assert backend_for(gpu) is GpuTableAttention
+    assert backend_for(cpu) is TableAttention
+    assert backend_for(KvPool(make_format("fp32", HKV, D), 1, 1, 64, CHUNK, None, DEV)) \
         is GpuTableAttention

@@ -11,11 +11,11 @@ import torch
 if not torch.cuda.is_available():
     pytest.skip("needs a CUDA device", allow_module_level=True)
 
-from strata.attention.reference import SeqSpec
-from strata.kv.formats import make_format
 from strata.attention.triton_pool import GpuTableAttention
-from strata.kv.pool import KvPool
 from strata.engine.graphs import DecodeGraphs
+from strata.kv.formats import make_format
+from strata.kv.pool import KvPool
+from strata.kv.step import SeqSpec
 from strata.models.base import ModelConfig
 from strata.models.layers import DecoderModel
 
@@ -47,14 +47,14 @@ def _pool(fmt: str, lanes: int = 5) -> KvPool:
 @torch.inference_mode()
 def _eager(model: DecoderModel, pool: KvPool, seqs: list[SeqSpec], tokens: list[int]) -> torch.Tensor:
     positions = torch.cat([torch.arange(s.start, s.end) for s in seqs]).to(DEV)
-    ctx = GpuTableAttention(pool, seqs, CFG.num_heads, CFG.head_dim**-0.5, torch.bfloat16)
+    ctx = GpuTableAttention(pool, seqs, CFG.head_dim**-0.5)
     hidden = model(torch.tensor(tokens, device=DEV), positions, ctx)
     ends = torch.cumsum(torch.tensor([s.n for s in seqs]), 0) - 1
     return model.compute_logits(hidden[ends.to(DEV)])
 
 
 def _prompts(model: DecoderModel, pools: list[KvPool], lens: dict[int, int]) -> dict[int, int]:
-    """Read a random prompt per session into every pool (eagerly, the same bits in each)."""
+    """Read a random prompt per lane into every pool (eagerly, the same bits in each)."""
     g = torch.Generator().manual_seed(1)
     seqs = [SeqSpec(s, 0, n) for s, n in lens.items()]
     tokens = torch.randint(0, CFG.vocab_size, (sum(lens.values()),), generator=g).tolist()
@@ -74,7 +74,7 @@ LANES = {3: ({0: 70, 2: 5, 3: 129}, 4), 1: ({2: 131}, 1)}
 def test_replay_is_bit_identical_to_the_eager_padded_step(model: DecoderModel, fmt: str,
                                                           lanes: int) -> None:
     pool = _pool(fmt)
-    graphs = DecodeGraphs(model, pool, CFG.num_heads, CFG.head_dim**-0.5, torch.bfloat16)
+    graphs = DecodeGraphs(model, pool, CFG.head_dim**-0.5)
     prompts, size = LANES[lanes]
     lens = _prompts(model, [pool], prompts)
     for step in range(4):
@@ -90,7 +90,7 @@ def test_replay_is_bit_identical_to_the_eager_padded_step(model: DecoderModel, f
 
 def test_replay_is_close_to_the_unpadded_step_and_follows_moves(model: DecoderModel) -> None:
     pool, ref_pool = _pool("bf16"), _pool("bf16")
-    graphs = DecodeGraphs(model, pool, CFG.num_heads, CFG.head_dim**-0.5, torch.bfloat16)
+    graphs = DecodeGraphs(model, pool, CFG.head_dim**-0.5)
     lens = _prompts(model, [pool, ref_pool], {0: 33, 1: 64, 4: 200})
     for step in range(6):
         if step == 3:  # move conversations 1 <-> 3 in both pools: tables change, graph stays
@@ -109,7 +109,7 @@ def test_replay_is_close_to_the_unpadded_step_and_follows_moves(model: DecoderMo
 
 def test_padding_lanes_write_only_into_trash(model: DecoderModel) -> None:
     pool = _pool("bf16", lanes=8)
-    graphs = DecodeGraphs(model, pool, CFG.num_heads, CFG.head_dim**-0.5, torch.bfloat16)
+    graphs = DecodeGraphs(model, pool, CFG.head_dim**-0.5)
     lens = _prompts(model, [pool], {0: 10})
     owned = {n: t[: pool.trash * pool.chunk_size].clone() for n, t in pool.layers[0].items()}
     graphs.forward([SeqSpec(0, lens[0], 1)], [5])  # size 1: no padding

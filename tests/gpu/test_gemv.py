@@ -181,7 +181,7 @@ def test_one_row_model_step_takes_the_row_kernels() -> None:
     logits stay close to the unfused path (cuBLAS, separate norm / SwiGLU / add kernels)."""
     from unittest import mock
 
-    from strata.attention.reference import SeqSpec
+    from strata.kv.step import SeqSpec
     from strata.kv.formats import make_format
     from strata.attention.triton_pool import GpuTableAttention
     from strata.kv.pool import KvPool
@@ -201,7 +201,7 @@ def test_one_row_model_step_takes_the_row_kernels() -> None:
     model.set_max_positions(256)
 
     def step(pool: KvPool) -> torch.Tensor:
-        ctx = GpuTableAttention(pool, [SeqSpec(0, 0, 1)], 8, 32**-0.5, torch.bfloat16)
+        ctx = GpuTableAttention(pool, [SeqSpec(0, 0, 1)], 32**-0.5)
         with torch.inference_mode():
             hidden = model(torch.tensor([7], device=DEV), torch.tensor([0], device=DEV), ctx)
             return model.compute_logits(hidden)

@@ -30,15 +30,16 @@ import torch
 if not torch.cuda.is_available():
     pytest.skip("needs a CUDA device", allow_module_level=True)
 
+from strata.attention.reference import TableAttention
 from strata.default_model import default_model_path
 from strata.engine.config import EngineConfig
 from strata.engine.engine import Engine
 from strata.engine.runner import Runner
 from strata.engine.types import SamplingParams
 from strata.errors import ModelLoadError
-from strata.attention.reference import SeqSpec, TableAttention
 from strata.kv.formats import make_format
 from strata.kv.pool import KvPool
+from strata.kv.step import SeqSpec
 from strata.models import LoadedModel, load_model
 from strata.tokenizer import Tokenizer
 
@@ -127,7 +128,7 @@ def _step_logits(loaded: LoadedModel, prompt: list[int], steps: int, forced: lis
     mc, dev, dtype = loaded.config, loaded.device, loaded.dtype
     fmt = make_format(KV[dtype], mc.num_kv_heads, mc.head_dim)
     pool = KvPool(fmt, mc.num_layers, 1, len(prompt) + steps + 1, 64, None, dev)
-    runner = Runner(loaded.model, pool, mc.num_heads, mc.attn_scale, dtype, dev, graphs=not reference)
+    runner = Runner(loaded.model, pool, mc.attn_scale, dev, graphs=not reference)
     if reference:
         runner.context = TableAttention
     rows = [runner.forward([SeqSpec(0, 0, len(prompt))], list(prompt), [True])[0].float().cpu()]

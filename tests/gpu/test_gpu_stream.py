@@ -21,12 +21,14 @@ if not torch.cuda.is_available():
     pytest.skip("needs a CUDA device", allow_module_level=True)
 pytest.importorskip("triton")
 
-from strata.attention.reference import SeqSpec
-from strata.kv.formats import make_format
+from strata.attention.select import backend_for
 from strata.attention.triton_pool import GpuTableAttention
-from strata.attention.triton_stream import GpuStreamAttention, StreamState, state_of, stream_context
+from strata.attention.triton_stream import GpuStreamAttention
+from strata.kv.formats import make_format
 from strata.kv.pool import KvPool
-from strata.kv.stream import StreamStore, streamed_pool
+from strata.kv.step import SeqSpec
+from strata.kv.stream import StreamedPool, StreamStore
+from strata.kv.stream_copies import StreamCopies
 
 HQ, HKV, D = 32, 8, 128  # Llama-3.1-8B's heads
 LAYERS, LANES, CHUNK = 6, 4, 1024
@@ -36,7 +38,7 @@ BLOCK, RESIDENT = 64, 512  # 8 blocks per layer against 11 to 49 per lane
 SLEEP = 2_000_000  # cycles, about a millisecond
 
 
-class SlowCopies(StreamState):
+class SlowCopies(StreamCopies):
     """Every layer's copies start late: a compute stream that does not wait reads stale rows."""
 
     def enqueue(self, layer: int, runs: list, overlap: bool, pairs: torch.Tensor | None = None) -> None:
@@ -67,14 +69,14 @@ def _decode_many(fmt: str, overlap: bool, steps: int, slow: str = "", gather: bo
     dev = torch.device("cuda")
     args = (make_format(fmt, HKV, D), LAYERS, LANES, MAX_CONTEXT, CHUNK, None)
     res = KvPool(*args, device=dev)
-    st = streamed_pool(*args, device=dev, resident_cells=RESIDENT, block_cells=BLOCK,
+    st = StreamedPool(*args, device=dev, resident_cells=RESIDENT, block_cells=BLOCK,
                        overlap=overlap, gather=None if gather else False)
     store = st.store
     assert isinstance(store, StreamStore)
     assert all(t.is_pinned() for layer in st.layers for t in layer.values())
     if slow == "copies":
-        store.gpu = SlowCopies(store)
-    assert state_of(store).use_gather() is gather  # auto: the kernel on CUDA
+        store.copies = SlowCopies(store)
+    assert store.copies.use_gather() is gather  # auto: the kernel on CUDA
     ctx_cls = {"compute": SlowCompute, "upload": SlowUpload}.get(slow, GpuStreamAttention)
     gen = torch.Generator(device=dev).manual_seed(0)
     dt = torch.bfloat16
@@ -84,8 +86,8 @@ def _decode_many(fmt: str, overlap: bool, steps: int, slow: str = "", gather: bo
         t = sum(s.n for s in seqs)
         for p in (res, st):
             for s in seqs:
-                assert p.reserve(s.session, s.end)
-        a_ctx = GpuTableAttention(res, seqs, HQ, D**-0.5, dt)
+                assert p.reserve(s.lane, s.end)
+        a_ctx = GpuTableAttention(res, seqs, D**-0.5)
         b_ctx = ctx_cls(st, seqs, HQ, D**-0.5, dt)
         outs_a, outs_b = [], []
         for layer in range(LAYERS):
@@ -97,7 +99,7 @@ def _decode_many(fmt: str, overlap: bool, steps: int, slow: str = "", gather: bo
         for layer, (x, y) in enumerate(zip(outs_a, outs_b)):
             assert torch.equal(x, y), (fmt, overlap, slow, gather, seqs[0], layer,
                                        float((x.float() - y.float()).abs().max()))
-    assert state_of(store).use_gather() is gather  # (no fallback to copy_ on the way)
+    assert store.copies.use_gather() is gather  # (no fallback to copy_ on the way)
     store.settle()
     for layer in range(LAYERS):
         for name, x in res.layers[layer].items():
@@ -152,8 +154,8 @@ def test_gather_reads_the_pinned_store_in_place(fmt: str) -> None:
 def test_runner_picks_the_streamed_kernels_and_no_graphs() -> None:
     from strata.engine.runner import Runner
 
-    pool = streamed_pool(make_format("bf16", HKV, D), 2, 2, 256, 64, None, "cuda",
+    pool = StreamedPool(make_format("bf16", HKV, D), 2, 2, 256, 64, None, "cuda",
                          resident_cells=128, block_cells=64)
-    assert stream_context(pool) is GpuStreamAttention
-    runner = Runner(torch.nn.Identity(), pool, HQ, D**-0.5, torch.bfloat16, torch.device("cuda"))
+    assert backend_for(pool) is GpuStreamAttention
+    runner = Runner(torch.nn.Identity(), pool, D**-0.5, torch.device("cuda"))
     assert runner.context is GpuStreamAttention and runner.graphs is None

@@ -1,18 +1,18 @@
 """The CUDA-graph step's metadata staging, on the CPU: what the copy to the device carries.
 
-Runs without a GPU (the staging is host work): ids, positions, sessions,
+Runs without a GPU (the staging is host work): ids, positions, lanes,
 lengths and write cells of the live lanes, and padding lanes that read one
-cell of session 0 and write into the trash chunk, also after a larger step.
+cell of lane 0 and write into the trash chunk, also after a larger step.
 """
 
 from __future__ import annotations
 
 import torch
 
-from strata.attention.reference import SeqSpec
+from strata.engine.graphs import DecodeGraphs, _Entry
 from strata.kv.formats import make_format
 from strata.kv.pool import KvPool
-from strata.engine.graphs import DecodeGraphs, _Entry
+from strata.kv.step import SeqSpec
 
 
 class _NoEvent:
@@ -30,21 +30,21 @@ def test_staging_holds_lanes_then_padding() -> None:
     pool = KvPool(make_format("bf16", 2, 32), 1, 4, 256, 16, 8 * 16, "cpu")
     for s, n in ((0, 40), (2, 20), (3, 3)):
         assert pool.reserve(s, n)
-    graphs = DecodeGraphs(None, pool, 4, 1.0, torch.bfloat16)  # type: ignore[arg-type]
+    graphs = DecodeGraphs(None, pool, 1.0)  # type: ignore[arg-type]
     e = _entry(4)
     graphs._pad(e.host.numpy(), 0, 4)
     trash_cell = pool.trash * pool.chunk_size
 
     seqs = [SeqSpec(0, 39, 1), SeqSpec(2, 17, 1), SeqSpec(3, 2, 1)]
     graphs._fill(e, seqs, [5, 6, 7])
-    ids, pos, _, sess, lens, cells = e.meta.tolist()
-    assert ids == [5, 6, 7, 0] and pos == [39, 17, 2, 0] and sess == [0, 2, 3, 0]
+    ids, pos, _, lane_ids, lens, cells = e.meta.tolist()
+    assert ids == [5, 6, 7, 0] and pos == [39, 17, 2, 0] and lane_ids == [0, 2, 3, 0]
     assert lens == [40, 18, 3, 1]
-    want = [int(pool.tables[s.session, s.start // 16]) * 16 + s.start % 16 for s in seqs]
+    want = [int(pool.tables[s.lane, s.start // 16]) * 16 + s.start % 16 for s in seqs]
     assert cells == want + [trash_cell]
 
     graphs._fill(e, [SeqSpec(2, 18, 1)], [9])  # fewer lanes: the old ones become padding
-    ids, _, _, sess, lens, cells = e.meta.tolist()
-    assert ids == [9, 0, 0, 0] and sess == [2, 0, 0, 0] and lens == [19, 1, 1, 1]
+    ids, _, _, lane_ids, lens, cells = e.meta.tolist()
+    assert ids == [9, 0, 0, 0] and lane_ids == [2, 0, 0, 0] and lens == [19, 1, 1, 1]
     assert cells[1:] == [trash_cell] * 3
     assert cells[0] == int(pool.tables[2, 1]) * 16 + 2

@@ -5,7 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from strata.attention.reference import SeqSpec, TableAttention
+from strata.attention.reference import TableAttention
+from strata.kv.step import SeqSpec
 from strata.kernels.cpu.loader import cpu_kernel
 from strata.kv.formats import make_format
 from strata.kv.pool import KvPool
@@ -101,8 +102,8 @@ def test_table_attention_kernel_close_to_torch_reference(fmt) -> None:
     outs = []
     for pool, kern in zip(pools, [None, False]):
         for s in seqs:
-            assert pool.reserve(s.session, s.end)
-        ctx = TableAttention(pool, seqs, hq, d**-0.5, dtype, kernel=kern)
+            assert pool.reserve(s.lane, s.end)
+        ctx = TableAttention(pool, seqs, d**-0.5, kernel=kern)
         assert (ctx.kernel is not None) == (kern is None)
         outs.append(ctx.attend(0, q, k, v))
     tol = 1e-5 if dtype == torch.float32 else 3e-2
@@ -136,7 +137,7 @@ def test_a_failed_build_falls_back_to_torch_with_one_warning(monkeypatch, caplog
         assert "CPU kernels unavailable (Error building extension" in caplog.text
         pool = KvPool(make_format("bf16", 2, 16), 1, 1, 64, 16, None)
         assert pool.reserve(0, 3)
-        ctx = TableAttention(pool, [SeqSpec(0, 0, 3)], 4, 0.25, torch.bfloat16)
+        ctx = TableAttention(pool, [SeqSpec(0, 0, 3)], 0.25)
         assert ctx.kernel is None
         out = ctx.attend(0, torch.randn(3, 4, 16).bfloat16(), torch.randn(3, 2, 16).bfloat16(),
                          torch.randn(3, 2, 16).bfloat16())

@@ -14,9 +14,9 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from benchmarks.quality import format_error
 from strata.kv.formats import FORMAT_NAMES, KvFormat, Storage, kv_block_bytes, make_format
 from strata.kv.hadamard import hadamard_matrix, hadamard_rotate
-from benchmarks.quality import format_error
 
 Q4_0 = gguf.GGMLQuantizationType.Q4_0
 PLAIN = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}

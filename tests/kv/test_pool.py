@@ -10,14 +10,14 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from strata.kv.formats import make_format
-from strata.kv.policy import IdleSession, choose_evictions
+from strata.kv.policy import IdleLane, choose_evictions
 from strata.kv.pool import KvPool
 
 CHUNK = 4
 
 
-def _pool(pool_tokens: int | None, sessions: int = 4, max_context: int = 32) -> KvPool:
-    return KvPool(make_format("bf16", 2, 8), 2, sessions, max_context, CHUNK, pool_tokens)
+def _pool(pool_tokens: int | None, lanes: int = 4, max_context: int = 32) -> KvPool:
+    return KvPool(make_format("bf16", 2, 8), 2, lanes, max_context, CHUNK, pool_tokens)
 
 
 op = st.one_of(
@@ -36,7 +36,7 @@ def test_random_operations_keep_invariants(ops: list, pool_tokens: int | None) -
             before = list(pool.reserved)
             ok = pool.reserve(a, b)
             if ok:
-                assert pool.capacity(a) >= b
+                assert pool.backed(a) >= b
             else:
                 assert pool.reserved == before, "a refused reservation must reserve nothing"
         elif kind == "release":
@@ -44,7 +44,7 @@ def test_random_operations_keep_invariants(ops: list, pool_tokens: int | None) -
         else:
             pool.swap(a, b)
         pool.check_invariants()
-    for s in range(pool.num_sessions):
+    for s in range(pool.num_lanes):
         pool.release(s)
     pool.check_invariants()
     if pool.shared:
@@ -56,16 +56,16 @@ def test_unreserved_writes_land_in_trash_not_in_other_sessions() -> None:
     pool = _pool(16)
     assert pool.reserve(0, 8)
     assert pool.reserve(1, 8)
-    cells = pool.cells(1, torch.arange(8, 16))  # session 1 holds only positions < 8
+    cells = pool.cells(1, torch.arange(8, 16))  # lane 1 holds only positions < 8
     assert (cells // CHUNK == pool.trash).all()
     owned0 = set(pool.cells(0, torch.arange(8)).tolist())
     assert not owned0 & set(cells.tolist())
 
 
 def test_identity_layout_holds_max_context_and_never_releases() -> None:
-    pool = _pool(None, sessions=3, max_context=10)
+    pool = _pool(None, lanes=3, max_context=10)
     assert pool.total_cells == 3 * 12  # rounded up to whole chunks
-    assert all(pool.capacity(s) == 12 for s in range(3))
+    assert all(pool.backed(s) == 12 for s in range(3))
     assert pool.release(1) == 0
     assert pool.free_chunks == 0
     pool.check_invariants()
@@ -104,10 +104,10 @@ def test_too_small_pool_is_refused() -> None:
 
 
 def test_evictions_lru_first_and_only_as_many_as_needed() -> None:
-    idle = [IdleSession(0, 2, 30.0), IdleSession(1, 1, 10.0), IdleSession(2, 5, 20.0)]
+    idle = [IdleLane(0, 2, 30.0), IdleLane(1, 1, 10.0), IdleLane(2, 5, 20.0)]
     assert choose_evictions(3, 3, idle) == []
     assert choose_evictions(4, 3, idle) == [1]
     assert choose_evictions(5, 3, idle) == [1, 2]
     assert choose_evictions(11, 3, idle) == [1, 2, 0]
     assert choose_evictions(12, 3, idle) is None
-    assert choose_evictions(1, 0, [IdleSession(0, 0, 1.0)]) is None
+    assert choose_evictions(1, 0, [IdleLane(0, 0, 1.0)]) is None

@@ -36,7 +36,7 @@ def test_protected_blocks_are_sinks_recent_and_short_sessions() -> None:
 
 
 def test_lru_among_unprotected_blocks() -> None:
-    # one long session (span 20), middle blocks used at different times; none needed now
+    # one long lane (span 20), middle blocks used at different times; none needed now
     u = _usage([(10 + i, t, False, True, i, 20) for i, t in [(3, 5), (4, 2), (5, 9), (6, 1)]])
     assert _kept(u, 2) == {10 + 5, 10 + 3}  # the two most recently used
     assert _kept(u, 1) == {10 + 5}
@@ -57,13 +57,13 @@ def test_short_sessions_keep_everything() -> None:
 
 
 def test_needed_blocks_beat_everything_else() -> None:
-    rows = [(0, 9, False, True, 0, 3)]  # another short session's sink, used recently
+    rows = [(0, 9, False, True, 0, 3)]  # another short lane's sink, used recently
     rows += [(10 + i, 4, True, False, i + 5, 30) for i in range(3)]  # misses of this read
     assert _kept(_usage(rows), 3) == {10, 11, 12}
 
 
 def test_overflow_prefers_protected_misses_then_resident_hits() -> None:
-    # a read needs 5 blocks of a 30-block session; the cache has 3 slots
+    # a read needs 5 blocks of a 30-block lane; the cache has 3 slots
     rows = [
         (1, 8, True, True, 6, 30),  # resident middle block
         (2, 8, True, True, 7, 30),  # resident middle block

@@ -1,9 +1,9 @@
 """KV streaming: streamed attention equals resident attention bit for bit, in every format.
 
 Two pools of the same configuration see the same steps (random prompt chunks
-and decode steps of several sessions, releases, prefix reuse and moves); one
+and decode steps of several lanes, releases, prefix reuse and moves); one
 keeps everything resident, the other streams through a cache far smaller
-than the sessions. The negative control skips the host write of one half and
+than the lanes. The negative control skips the host write of one half and
 must be caught.
 """
 
@@ -15,15 +15,16 @@ from dataclasses import dataclass
 import pytest
 import torch
 
-from strata.attention.reference import SeqSpec, TableAttention
+from strata.attention.reference import TableAttention
 from strata.kv.formats import FORMAT_NAMES, Storage, make_format
 from strata.kv.pool import KvPool
-from strata.kv.stream import StreamStore, streamed_pool
+from strata.kv.step import SeqSpec
+from strata.kv.stream import StreamedPool, StreamStore
 
 HQ, HKV, D = 4, 2, 32
 LAYERS, SESSIONS, CHUNK, MAX_CONTEXT = 2, 4, 16, 176
 POOL_TOKENS = SESSIONS * MAX_CONTEXT  # a shared pool: chunks are handed out and reused
-BLOCK, RESIDENT = 8, 48  # 6 blocks per layer against sessions of up to 22
+BLOCK, RESIDENT = 8, 48  # 6 blocks per layer against lanes of up to 22
 DTYPE = torch.bfloat16
 DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
 
@@ -56,7 +57,7 @@ def _pools(fmt: str, device: str, store_cls: type[StreamStore] = StreamStore,
            resident: int = RESIDENT) -> tuple[KvPool, KvPool]:
     args = (make_format(fmt, HKV, D), LAYERS, SESSIONS, MAX_CONTEXT, CHUNK, POOL_TOKENS)
     ref = KvPool(*args, device=device)
-    streamed = streamed_pool(*args, device=device, resident_cells=resident, block_cells=BLOCK)
+    streamed = StreamedPool(*args, device=device, resident_cells=resident, block_cells=BLOCK)
     if store_cls is not StreamStore:
         streamed.store = store_cls(streamed, resident, BLOCK, device)
     return ref, streamed
@@ -74,8 +75,8 @@ def _step(pools: tuple[KvPool, ...], seqs: list[SeqSpec], gen: torch.Generator,
     outs = []
     for pool in pools:
         for s in seqs:
-            assert pool.reserve(s.session, s.end)
-        ctx = TableAttention(pool, seqs, HQ, D**-0.5, DTYPE)
+            assert pool.reserve(s.lane, s.end)
+        ctx = TableAttention(pool, seqs, D**-0.5)
         outs.append([ctx.attend(layer, *(x.to(device, DTYPE) for x in qkv[layer]))
                      for layer in range(LAYERS)])
     return outs
@@ -121,7 +122,7 @@ def _parity(fmt: str, device: str, store_cls: type[StreamStore] = StreamStore,
             continue
         ref, streamed = _step(pools, seqs, gen, device)
         for s in seqs:
-            length[s.session] = s.end
+            length[s.lane] = s.end
         if first is None and not all(torch.equal(x, y) for x, y in zip(ref, streamed)):
             first = b
             if store_cls is not StreamStore:
@@ -172,7 +173,7 @@ def test_move_needs_no_cache_change(device: str) -> None:
     for p in pools:
         p.swap(0, 2)
         p.check_invariants()
-    for pos in range(43, 46):  # the conversation continues in session 2
+    for pos in range(43, 46):  # the conversation continues in lane 2
         a, b = _step(pools, [SeqSpec(2, pos, 1)], gen, device)
         assert all(torch.equal(x, y) for x, y in zip(a, b))
     assert (store.stats.misses, store.stats.bytes_copied) == (misses, copied)
@@ -191,8 +192,8 @@ def test_prefix_reuse_after_release_and_chunk_reuse(device: str) -> None:
     same([SeqSpec(1, 30, 20)])
     for p in pools:  # keep a 20-token prefix; the chunk of positions 32.. goes back
         p.release(1, keep_tokens=20)
-    same([SeqSpec(3, 0, 40)])  # session 3 takes the freed chunk (its cells are cached)
-    same([SeqSpec(1, 20, 25), SeqSpec(3, 40, 1)])  # session 1 continues after its prefix
+    same([SeqSpec(3, 0, 40)])  # lane 3 takes the freed chunk (its cells are cached)
+    same([SeqSpec(1, 20, 25), SeqSpec(3, 40, 1)])  # lane 1 continues after its prefix
     for pos in range(45, 50):
         same([SeqSpec(1, pos, 1), SeqSpec(2, 20 + pos - 45, 1), SeqSpec(3, 41 + pos - 45, 1)])
 
@@ -204,7 +205,7 @@ def test_host_writes_behind_the_store_need_invalidate() -> None:
     _step(pools, [SeqSpec(0, 0, 30)], gen, "cpu")
     cells = ref.cells_of_range(0, 0, 30)
     k, v = torch.randn(30, HKV, D, generator=gen), torch.randn(30, HKV, D, generator=gen)
-    for p in pools:  # a restore fills the host store directly (conversation cache, session file)
+    for p in pools:  # a restore fills the host store directly (conversation cache, lane file)
         for layer in range(LAYERS):
             p.fmt.write(p.layers[layer], cells, k, v)
     a, b = _step(pools, [SeqSpec(0, 30, 1)], gen, "cpu")
@@ -216,7 +217,7 @@ def test_host_writes_behind_the_store_need_invalidate() -> None:
 
 
 def test_figures_and_sizes() -> None:
-    pool = streamed_pool(make_format("k8v4", HKV, D), LAYERS, SESSIONS, MAX_CONTEXT, CHUNK,
+    pool = StreamedPool(make_format("k8v4", HKV, D), LAYERS, SESSIONS, MAX_CONTEXT, CHUNK,
                          POOL_TOKENS, "cpu", resident_cells=50, block_cells=64)
     store = pool.store
     assert isinstance(store, StreamStore)

@@ -43,7 +43,9 @@ def _machine_tag() -> str:
                     break
     except OSError:
         flags = platform.processor()
-    text = flags + torch.__version__ + torch.__file__ + " ".join(CFLAGS) + "".join(p.read_text() for p in SOURCES)
+    # the folder too: ninja rebuilds whenever one build folder is shared by two checkouts
+    text = (flags + torch.__version__ + torch.__file__ + " ".join(CFLAGS) + str(SOURCES[0].parent)
+            + "".join(p.read_text() for p in SOURCES))
     h = hashlib.sha256(text.encode()).hexdigest()
     return h[:12]
 

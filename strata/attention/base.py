@@ -1,0 +1,39 @@
+"""The contract between the model, the engine's runner and an attention backend.
+
+A backend is a class whose instances are one step's `AttentionContext`:
+the runner builds one per forward, `Backend(pool, seqs, scale)`, from the
+pool the step reads and writes and the step's sequences (`kv/step.py`);
+each attention layer of the model then calls `ctx.attend(layer, q, k, v)`
+with q/k after RoPE. Everything a backend needs of the step it computes in
+its constructor, once, not per layer. Model code never holds K/V.
+"""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+import torch
+
+from strata.kv.pool import KvPool
+from strata.kv.step import SeqSpec
+
+
+class AttentionContext(Protocol):
+    """One forward step's view of the KV cache, built by the engine's runner.
+
+    The step's tokens are flattened to T rows (several sequences, each a run of
+    consecutive positions). `attend` stores k/v for those rows and returns, for
+    each row, causal attention over its sequence's cached cells plus the new
+    ones up to and including itself.
+    """
+
+    def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        """q: [T, Hq, D], k/v: [T, Hkv, D] -> [T, Hq, D]."""
+        ...
+
+
+class AttentionBackend(Protocol):
+    """What `select.backend_for` returns: a constructor of one step's context."""
+
+    def __call__(self, pool: KvPool, seqs: list[SeqSpec], scale: float) -> AttentionContext:
+        ...

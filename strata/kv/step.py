@@ -1,0 +1,86 @@
+"""The cells one engine step reads and writes: the scheduler-to-attention contract.
+
+A step is a list of `SeqSpec`s, each a run of new tokens at positions
+[start, start + n) of one lane. Position p of a lane lives in cell
+`tables[lane, p // chunk] * chunk + p % chunk` (kv/pool.py); `cells_at` is
+the one place that formula is written on the host, for torch tensors and
+numpy arrays alike (the kernels read the device copy of the same tables,
+`kernels/triton/cells.py: cells_of`). `step_cells` gives every backend and
+the graph runner what they need of a step in one pass.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, TypeVar
+
+import numpy as np
+import torch
+
+if TYPE_CHECKING:
+    from strata.kv.pool import KvPool
+
+Index = TypeVar("Index", torch.Tensor, np.ndarray)
+
+
+@dataclass(frozen=True)
+class SeqSpec:
+    lane: int
+    start: int  # position of the first new token
+    n: int  # new tokens
+
+    @property
+    def end(self) -> int:
+        return self.start + self.n
+
+
+def cells_at(tables: Index, chunk: int, lanes: Index, positions: Index) -> Index:
+    """Cells of `positions` of `lanes` (broadcast against each other) through the chunk tables.
+
+    Positions past a lane's table width read its last entry (then the trash
+    chunk, for a lane that does not reach that far): reads of padding stay
+    inside the pool.
+    """
+    col = (positions // chunk).clip(max=tables.shape[1] - 1)
+    return tables[lanes, col] * chunk + positions % chunk
+
+
+@dataclass(frozen=True)
+class StepCells:
+    """Per sequence of a step (host, int64), and the cells of its new tokens."""
+
+    lanes: torch.Tensor  # [S]
+    starts: torch.Tensor  # [S] position of the first new token
+    ns: torch.Tensor  # [S] new tokens
+    rows: torch.Tensor  # [S] first row of each sequence in the step's flattened tokens
+    write: torch.Tensor  # [T] cell of every new token, in row order
+    positions: torch.Tensor  # [T] position of every new token, in row order
+    token_seq: torch.Tensor  # [T] the sequence each new token belongs to
+
+    @property
+    def ends(self) -> torch.Tensor:
+        return self.starts + self.ns
+
+    @property
+    def decode(self) -> torch.Tensor:
+        """[S] bool: sequences of one new token (decoding lanes)."""
+        return self.ns == 1
+
+
+def step_cells(pool: KvPool, seqs: list[SeqSpec]) -> StepCells:
+    """The step's sequences as tensors, and the cells its new tokens go to."""
+    ns = torch.tensor([s.n for s in seqs], dtype=torch.int64)
+    starts = torch.tensor([s.start for s in seqs], dtype=torch.int64)
+    lanes = torch.tensor([s.lane for s in seqs], dtype=torch.int64)
+    rows = torch.cumsum(ns, 0) - ns
+    total = int(ns.sum()) if seqs else 0
+    token_seq = torch.repeat_interleave(torch.arange(len(seqs)), ns)
+    positions = torch.arange(total, dtype=torch.int64) - torch.repeat_interleave(rows - starts, ns)
+    write = cells_at(pool.tables, pool.chunk_size, lanes[token_seq], positions)
+    return StepCells(lanes, starts, ns, rows, write, positions, token_seq)
+
+
+def key_cells(pool: KvPool, lanes: torch.Tensor, length: int) -> torch.Tensor:
+    """[S, length] cells of positions [0, length) of each lane (host, int64)."""
+    pos = torch.arange(length, dtype=torch.int64)
+    return cells_at(pool.tables, pool.chunk_size, lanes[:, None], pos[None, :])
