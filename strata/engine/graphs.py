@@ -16,13 +16,16 @@ anyone owns. Graphs are captured on first use of a size.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
 
-from strata.attention.triton_pool import GpuTableAttention
 from strata.kv.pool import KvPool
 from strata.kv.step import SeqSpec, cells_at
+
+if TYPE_CHECKING:  # the kernels need Triton; staging (host work) does not
+    from strata.attention.triton_pool import GpuTableAttention
 
 # Padded lane counts: powers of two, then steps of 16 (a decode step's cost grows slowly with lanes).
 SIZES = (1, 2, 4, 8, 16, 32, 48, 64, 80, 96, 112, 128, 160, 192, 224, 256)
@@ -124,6 +127,8 @@ class DecodeGraphs:
         host = torch.zeros((6, size), dtype=torch.int64).pin_memory()
         host[_ROWS] = torch.arange(size)
         meta = torch.zeros((6, size), dtype=torch.int64, device=dev)
+        from strata.attention.triton_pool import GpuTableAttention
+
         ctx = GpuTableAttention.for_graph(self.pool, meta[_ROWS:], self.scale)
         e = _Entry(size, host, meta, ctx, torch.cuda.Event())
         e.copied.record()
