@@ -45,10 +45,9 @@ import torch
 
 from strata.engine.config import EngineConfig
 from strata.engine.engine import Engine
-from strata.attention.reference import SeqSpec
-from strata.attention.triton_stream import state_of
 from strata.kv.pool import KvPool
-from strata.kv.stream import StreamStore
+from strata.kv.step import SeqSpec
+from strata.kv.stream import StreamedPool
 
 MODES = ("resident", "resident_graphs", "overlap", "no_overlap", "overlap_copy", "no_overlap_copy",
          "all_resident")
@@ -76,7 +75,7 @@ def fill(pool: KvPool, seed: int = 0) -> None:
             full = n // TILE * TILE
             t[:full].view(n // TILE, TILE, *t.shape[1:]).copy_(src.expand(n // TILE, *src.shape))
             t[full:].copy_(src[: n - full])
-    if isinstance(pool.store, StreamStore):
+    if isinstance(pool, StreamedPool):
         pool.store.invalidate()
     _sync(pool.device)
 
@@ -90,8 +89,8 @@ def time_decode(engine: Engine, lanes: int, context: int, warm: int, steps: int)
     """Synchronized wall time of `steps` decode steps of `lanes` lanes from position `context`,
     with the host's share (until the forward returned) and the copy stream's busy time."""
     pool, runner = engine.pool, engine.runner
-    store = pool.store if isinstance(pool.store, StreamStore) else None
-    state = state_of(store) if store is not None and engine.device.type == "cuda" else None
+    store = pool.store if isinstance(pool, StreamedPool) else None
+    state = store.copies if store is not None and engine.device.type == "cuda" else None
     dev = engine.device
     before: dict[str, Any] = {}
     elapsed: list[float] = []
@@ -141,8 +140,9 @@ def time_decode(engine: Engine, lanes: int, context: int, warm: int, steps: int)
     return out
 
 
-def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m benchmarks.gpu_stream_bench",
+                                description=__doc__.splitlines()[0])
     p.add_argument("model")
     p.add_argument("--device", default="cuda")
     p.add_argument("--lanes", default="1,4")
@@ -156,6 +156,77 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--gather-programs", type=int, default=0,
                    help="programs of a gather launch (0: STRATA_GATHER_PROGRAMS or the SM count)")
     p.add_argument("--out", default=None)
+    return p
+
+
+def engine_rows(args: Any, loaded: Any, kind: str, group: list[str], resident: int | None,
+                max_context: int, out: dict[str, Any], results: dict[tuple[int, int], dict[str, Any]],
+                save: Any) -> None:
+    """One engine (`kind`: its pool) and every mode of `group` on it, per lane count and context."""
+    lanes = [int(x) for x in args.lanes.split(",") if x]
+    contexts = [int(x) for x in args.contexts.split(",") if x]
+    cfg = EngineConfig(model=args.model, device=args.device, parallel=max(lanes),
+                       max_context=max_context, kv_chunk=args.kv_chunk, kv=args.kv,
+                       kv_resident=resident, max_queued=4, pipeline="off")
+    t0 = time.perf_counter()
+    with Engine(cfg, loaded=loaded) as engine:
+        graphs = engine.runner.graphs  # the streamed path has none
+        out[f"{kind}_setup_seconds"] = time.perf_counter() - t0
+        out[f"{kind}_attention"] = engine.runner.context.__name__
+        out["kv_format"] = engine.pool.fmt.name
+        t0 = time.perf_counter()
+        fill(engine.pool)
+        out[f"{kind}_fill_seconds"] = time.perf_counter() - t0
+        store = engine.pool.store if isinstance(engine.pool, StreamedPool) else None
+        if store is not None:
+            f = store.figures()
+            out[f"{kind}_pool"] = {k: f[k] for k in ("resident_cells", "block_cells",
+                                                     "host_bytes", "pinned_bytes")}
+            if args.gather_programs:
+                store.copies.programs = args.gather_programs
+        for n in lanes:
+            for c in contexts:
+                for mode in group:
+                    engine.runner.graphs = graphs if mode == "resident_graphs" else None
+                    if store is not None:
+                        store.overlap, store.gather = STREAMED[mode]
+                    for i in range(n):  # every mode starts from the same positions
+                        engine.pool.release(i)
+                    t0 = time.perf_counter()
+                    try:
+                        r = time_decode(engine, n, c, args.warm, args.steps)
+                    except Exception as e:  # noqa: BLE001 - a benchmark reports, it does not stop
+                        r = {"error": f"{type(e).__name__}: {e}"}
+                    r["seconds"] = time.perf_counter() - t0
+                    results.setdefault((n, c), {"lanes": n, "context": c})[mode] = r
+                    print(json.dumps({"lanes": n, "context": c, "mode": mode, **r}),
+                          file=sys.stderr, flush=True)
+                    out["rows"] = list(results.values())
+                    save()
+        engine.runner.graphs = graphs
+        if store is not None:
+            out[f"{kind}_figures"] = store.figures()
+
+
+def compare(row: dict[str, Any]) -> None:
+    """A row's ratios: the overlap's gain, the gather kernel's over `copy_`, streamed over resident."""
+    ms = {m: row[m]["ms_per_step"] for m in MODES if row.get(m, {}).get("ms_per_step")}
+    for on, off, key in (("overlap", "no_overlap", ""), ("overlap_copy", "no_overlap_copy", "_copy")):
+        if on in ms and off in ms:
+            row[f"overlap_speedup{key}"] = ms[off] / ms[on]
+            row[f"overlap_saves_ms_per_step{key}"] = ms[off] - ms[on]
+    for m in ("overlap", "no_overlap"):
+        if m in ms and f"{m}_copy" in ms:
+            row[f"gather_speedup_{m}"] = ms[f"{m}_copy"] / ms[m]
+    for base in ("resident", "resident_graphs"):
+        if base in ms:
+            for m in ("overlap", "overlap_copy", "all_resident"):
+                if m in ms:
+                    row[f"{m}_over_{base}_time"] = ms[m] / ms[base]
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = parser()
     args = p.parse_args(argv)
     lanes = [int(x) for x in args.lanes.split(",") if x]
     contexts = [int(x) for x in args.contexts.split(",") if x]
@@ -163,7 +234,7 @@ def main(argv: list[str] | None = None) -> int:
     bad = [m for m in modes if m not in MODES]
     if bad:
         p.error(f"unknown modes {bad}: pick from {MODES}")
-    from benchmarks.gpu_bench import attach_tokenizer
+    from benchmarks.engine_runs import attach_tokenizer
     from strata.models import load_model
 
     t_start = time.perf_counter()
@@ -193,69 +264,16 @@ def main(argv: list[str] | None = None) -> int:
         if not group:
             continue
         resident = {"resident": None, "streamed": args.resident, "all_resident": all_cells}[kind]
-        cfg = EngineConfig(model=args.model, device=args.device, parallel=max(lanes),
-                           max_context=max_context, kv_chunk=args.kv_chunk, kv=args.kv,
-                           kv_resident=resident, max_queued=4, pipeline="off")
-        t0 = time.perf_counter()
-        with Engine(cfg, loaded=loaded) as engine:
-            graphs = engine.runner.graphs  # the streamed path has none
-            out[f"{kind}_setup_seconds"] = time.perf_counter() - t0
-            out[f"{kind}_attention"] = engine.runner.context.__name__
-            out["kv_format"] = engine.pool.fmt.name
-            t0 = time.perf_counter()
-            fill(engine.pool)
-            out[f"{kind}_fill_seconds"] = time.perf_counter() - t0
-            store = engine.pool.store if isinstance(engine.pool.store, StreamStore) else None
-            if store is not None:
-                f = store.figures()
-                out[f"{kind}_pool"] = {k: f[k] for k in ("resident_cells", "block_cells",
-                                                         "host_bytes", "pinned_bytes")}
-                if args.gather_programs:
-                    state_of(store).programs = args.gather_programs
-            for n in lanes:
-                for c in contexts:
-                    for mode in group:
-                        engine.runner.graphs = graphs if mode == "resident_graphs" else None
-                        if store is not None:
-                            store.overlap, store.gather = STREAMED[mode]
-                        for i in range(n):  # every mode starts from the same positions
-                            engine.pool.release(i)
-                        t0 = time.perf_counter()
-                        try:
-                            r = time_decode(engine, n, c, args.warm, args.steps)
-                        except Exception as e:  # noqa: BLE001 - a benchmark reports, it does not stop
-                            r = {"error": f"{type(e).__name__}: {e}"}
-                        r["seconds"] = time.perf_counter() - t0
-                        results.setdefault((n, c), {"lanes": n, "context": c})[mode] = r
-                        print(json.dumps({"lanes": n, "context": c, "mode": mode, **r}),
-                              file=sys.stderr, flush=True)
-                        out["rows"] = list(results.values())
-                        save()
-            engine.runner.graphs = graphs
-            if store is not None:
-                out[f"{kind}_figures"] = store.figures()
+        engine_rows(args, loaded, kind, group, resident, max_context, out, results, save)
         if torch.cuda.is_available():
             torch.cuda.empty_cache()
     for row in results.values():
-        ms = {m: row[m]["ms_per_step"] for m in MODES if row.get(m, {}).get("ms_per_step")}
-        for on, off, key in (("overlap", "no_overlap", ""), ("overlap_copy", "no_overlap_copy", "_copy")):
-            if on in ms and off in ms:
-                row[f"overlap_speedup{key}"] = ms[off] / ms[on]
-                row[f"overlap_saves_ms_per_step{key}"] = ms[off] - ms[on]
-        for m in ("overlap", "no_overlap"):
-            if m in ms and f"{m}_copy" in ms:
-                row[f"gather_speedup_{m}"] = ms[f"{m}_copy"] / ms[m]
-        for base in ("resident", "resident_graphs"):
-            if base in ms:
-                for m in ("overlap", "overlap_copy", "all_resident"):
-                    if m in ms:
-                        row[f"{m}_over_{base}_time"] = ms[m] / ms[base]
+        compare(row)
     out["rows"] = list(results.values())
     out["seconds"] = time.perf_counter() - t_start
     save()
     print(json.dumps(out, indent=1))
     return 0
-
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -24,12 +24,12 @@ from typing import Any
 
 import torch
 
-from strata.bench.report import emit
+from benchmarks.quality import format_error
 from strata.attention.reference import TableAttention
-from strata.kv.step import SeqSpec
+from strata.bench.report import emit
 from strata.kv.formats import FORMAT_NAMES, K8V4Format, KvFormat, make_format
 from strata.kv.pool import KvPool
-from benchmarks.quality import format_error
+from strata.kv.step import SeqSpec
 
 TEXT = "/usr/share/common-licenses/GPL-3"
 NAMES = FORMAT_NAMES + ("k8v4_norot",)
@@ -81,8 +81,7 @@ class Session:
         """Logits (float32) of every fed token, and the context used (a recorder if asked)."""
         cfg, model = self.loaded.config, self.loaded.model
         n = len(tokens)
-        ctx: Any = TableAttention(self.pool, [SeqSpec(0, self.pos, n)], 
-                                  cfg.attn_scale)
+        ctx: Any = TableAttention(self.pool, [SeqSpec(0, self.pos, n)], cfg.attn_scale)
         if record:
             ctx = _Recorder(ctx)
         ids = torch.tensor(tokens, dtype=torch.int64)
@@ -220,7 +219,8 @@ def run(n_tokens: int, chunk: int, n_greedy: int, prompt_tokens: int) -> dict[st
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(prog="python -m benchmarks.kv_quality",
+                                 description=__doc__.splitlines()[0])
     ap.add_argument("--tokens", type=int, default=2048, help="tokens of the text scored")
     ap.add_argument("--chunk", type=int, default=256, help="tokens read per step")
     ap.add_argument("--greedy", type=int, default=200, help="greedy tokens compared")

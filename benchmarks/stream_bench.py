@@ -27,11 +27,11 @@ from typing import Any
 
 import torch
 
-from strata.bench.report import emit
 from strata.attention.reference import TableAttention
-from strata.kv.step import SeqSpec
+from strata.bench.report import emit
 from strata.kv.formats import make_format
 from strata.kv.pool import KvPool
+from strata.kv.step import SeqSpec
 from strata.kv.stream import StreamedPool, StreamStore
 
 FILL_PIECE = 1024  # cells written per call while filling
@@ -51,7 +51,7 @@ Step = Callable[[KvPool, int], None]  # one decode step at a position
 
 
 def _fill(pool: KvPool, context: int, shape: Shape, device: torch.device) -> None:
-    """Random K/V at positions [0, context) of session 0."""
+    """Random K/V at positions [0, context) of lane 0."""
     gen = torch.Generator().manual_seed(context)
     assert pool.reserve(0, context + 1)
     for start in range(0, context, FILL_PIECE):
@@ -98,7 +98,7 @@ def attention_step(shape: Shape, device: torch.device) -> Step:
 def _decode(step: Step, pool: KvPool, context: int, warm: int, steps: int,
             device: torch.device) -> dict[str, Any]:
     """Time per token of `steps` decode steps after `warm` untimed ones; streaming figures."""
-    store = pool.store
+    store = pool.store if isinstance(pool, StreamedPool) else None
     before: dict[str, Any] = {}
     elapsed = 0.0
     for i in range(warm + steps):
@@ -161,7 +161,7 @@ def run(contexts: list[int], resident: int, block: int, kv: str, warm: int, step
                 pool = KvPool(*args, device=device)
             else:
                 pool = StreamedPool(*args, device=device, resident_cells=resident,
-                                     block_cells=block)
+                                    block_cells=block)
             _fill(pool, context, shape, device)
             row[mode] = _decode(step, pool, context, warm, steps, device)
             del pool
@@ -174,7 +174,8 @@ def run(contexts: list[int], resident: int, block: int, kv: str, warm: int, step
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(prog="python -m benchmarks.stream_bench",
+                                 description=__doc__.splitlines()[0])
     ap.add_argument("--contexts", default="512,2048,8000", help="comma-separated context lengths")
     ap.add_argument("--resident", type=int, default=2048,
                     help="--kv-resident: cells per layer cached")

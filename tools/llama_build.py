@@ -119,7 +119,7 @@ def build_command(bundle: str, workdir: str, jobs: int = 16) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(prog="python -m tools.llama_build", description=__doc__.splitlines()[0])
     sub = p.add_subparsers(dest="cmd", required=True)
     b = sub.add_parser("bundle", help="write the trimmed source bundle")
     b.add_argument("src")

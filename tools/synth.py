@@ -10,6 +10,9 @@ the vocabulary sets the embedding and output sizes.
 Writing is I/O-bound: one pool of random bf16 values is drawn once and every
 tensor is written as slices of it at random offsets, so a 15 GB file costs
 about what the disk needs, not minutes of random number generation.
+
+    python -m tools.synth OUT.gguf [--shape llama-3.1-8b|llama-3.2-1b|tiny] [--tokenizer-from GGUF]
+    python -m tools.synth OUT.gguf --tokenizer-only   # the tokenizer metadata alone (a few MB)
 """
 
 from __future__ import annotations
@@ -201,7 +204,7 @@ def write_metadata_only(path: Path, fields: list[Field]) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(prog="python -m tools.synth", description=__doc__.splitlines()[0])
     p.add_argument("out", type=Path)
     p.add_argument("--shape", default="llama-3.1-8b", choices=sorted(SHAPES))
     p.add_argument("--tokenizer-from", default=None,

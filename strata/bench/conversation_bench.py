@@ -95,7 +95,8 @@ def bandwidth(kv: str, tokens: int, layers: int = 30, kv_heads: int = 3, head_di
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__)
+    p = argparse.ArgumentParser(prog="python -m strata.bench.conversation_bench",
+                                description=__doc__)
     p.add_argument("--system-tokens", type=int, default=2000)
     p.add_argument("--chats", type=int, default=3)
     p.add_argument("--turns", type=int, default=3)

@@ -1,4 +1,5 @@
-"""llama.cpp as the GPU benchmark's peer: parsing its tools' output, the ratios, the build.
+"""llama.cpp as the GPU benchmark's peer (benchmarks/llama_peer.py, tools/llama_build.py): parsing
+its tools' output, the ratios, the build.
 
 Pure Python (no GPU, no Triton): runs everywhere. The sample outputs in
 data/ were captured from this llama.cpp version's CPU build on the default
@@ -14,13 +15,13 @@ from pathlib import Path
 
 import pytest
 
-from benchmarks.gpu_bench import ratios
-from strata.bench.peers import (
+from benchmarks.llama_peer import (
     llama_batched_bench_gpu,
     llama_bench_gpu,
     parse_batched_bench,
-    parse_llama_bench,
+    ratios,
 )
+from strata.bench.peers import parse_llama_bench
 from tools.llama_build import CMAKE_OPTIONS, TARGETS, build_command, make_bundle
 
 DATA = Path(__file__).parent / "data"
