@@ -24,8 +24,8 @@ from strata.models.architecture import Architecture
 from strata.models.base import ModelConfig
 from strata.models.config import config_from_gguf, config_from_hf, gguf_architecture
 from strata.models.layers import DecoderModel
-from strata.models.quantize import quantize_weights, resolve_weight_mode
 from strata.models.naming import Part, gguf_parts, hf_parts
+from strata.models.quantize import quantize_weights, resolve_weight_mode
 from strata.models.sources import GGUFSource, SafetensorsSource, WeightSource
 from strata.tokenizer import Tokenizer
 
