@@ -44,9 +44,15 @@ def test_k8v4_streamed_in_a_shared_pool_answers_like_resident(loaded) -> None:
 
 @pytest.mark.slow
 def test_int8_cells_still_answer(loaded) -> None:
+    """int8 cells keep the model's answers: at least two of the three greedy answers are the
+    bf16 cells' answers word for word. Not all three: the first token of the first answer is a
+    near tie ("The capital ..." against "L'Étoile ...") that int8 rounding tips on some CPUs
+    (seen on an AMD EPYC host, 2026-12-01, with both int4 and dense weights)."""
+    plain, _ = _run(loaded, kv="bf16")
     texts, stats = _run(loaded, kv="int8")
     assert stats["kv_format"] == "int8"
-    assert "Paris" in texts[0]
+    assert "Paris" in plain[0]
+    assert sum(a == b for a, b in zip(texts, plain)) >= 2, (texts, plain)
 
 
 @pytest.mark.slow
