@@ -88,7 +88,7 @@ def _decode_many(fmt: str, overlap: bool, steps: int, slow: str = "", gather: bo
             for s in seqs:
                 assert p.reserve(s.lane, s.end)
         a_ctx = GpuTableAttention(res, seqs, D**-0.5)
-        b_ctx = ctx_cls(st, seqs, HQ, D**-0.5, dt)
+        b_ctx = ctx_cls(st, seqs, D**-0.5)
         outs_a, outs_b = [], []
         for layer in range(LAYERS):
             q = torch.randn(t, HQ, D, generator=gen, device=dev).to(dt)
