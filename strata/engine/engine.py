@@ -16,7 +16,7 @@ from typing import Any, Callable
 
 import torch
 
-from strata.engine.config import EngineConfig
+from strata.engine.config import EngineConfig, describe_pool, pool_chunk_size
 from strata.engine.conversation_cache import ConversationCache
 from strata.engine.parking import Parking
 from strata.engine.pipeline import Launched, continuation
@@ -92,7 +92,7 @@ class Engine:
         self.dtype = next(self.loaded.model.parameters()).dtype
         kv_name = _KV_AUTO[self.dtype] if config.kv == "auto" else config.kv
         fmt = make_format(kv_name, mc.num_kv_heads, mc.head_dim)
-        chunk = min(config.kv_chunk, config.max_context)
+        chunk = pool_chunk_size(config)
         if config.kv_resident is not None:  # K/V in (pinned) host RAM, N cells per layer on the device
             self.pool = streamed_pool(fmt, mc.num_layers, config.parallel, config.max_context, chunk,
                                       config.kv_pool_tokens, self.device,
@@ -100,6 +100,8 @@ class Engine:
         else:
             self.pool = KvPool(fmt, mc.num_layers, config.parallel, config.max_context, chunk,
                                config.kv_pool_tokens, self.device, pin=False)
+        log.info("%s", describe_pool(config.parallel, self.pool.num_chunks, chunk, self.pool.total_bytes(),
+                                     fmt.name, self.pool.shared))
         self.scheduler = Scheduler(self.pool, config.parallel, config.prefill_chunk,
                                    prefix_reuse=config.prefix_reuse)
         self.conversations: ConversationCache | None = None
@@ -328,10 +330,11 @@ class Engine:
 
     def _enqueue(self, incoming: list[Request]) -> None:
         waiting = self.scheduler.waiting
+        free = len(self.scheduler.free_lanes())  # requests that will take a lane at once never wait
         for req in incoming:
-            if len(waiting) >= self.config.max_queued:
+            if len(waiting) - free >= self.config.max_queued:
                 self.scheduler.counters.refusals += 1
-                req.handle.fail(QueueFull(f"{len(waiting)} requests are already waiting "
+                req.handle.fail(QueueFull(f"{len(waiting) - free} requests are already waiting "
                                           f"(--max-queued {self.config.max_queued})"))
             else:
                 waiting.append(req)
