@@ -117,7 +117,7 @@ class Engine:
         # costs a wasted step per stopped lane, so `auto` leaves it off
         self.pipeline = config.pipeline == "on" or (config.pipeline == "auto" and self.runner.graphs is not None)
         self.stop_ids = set(self.tokenizer.stop_token_ids)
-        self.sessions = SessionFiles(self.scheduler, config.session_dir, self.loaded.identity)
+        self.sessions = SessionFiles(self.scheduler, config.session_dir, self.loaded.identity, mc.vocab_size)
 
     # ---- public API ---------------------------------------------------------
     def generate(self, prompt_ids: list[int], params: SamplingParams | None = None) -> RequestHandle:
@@ -167,8 +167,9 @@ class Engine:
         return self.call(lambda: self.sessions.save(lane, filename)).result()
 
     def restore_session(self, lane: int, filename: str) -> SessionResult:
-        """Restore `filename` from --session-dir into idle lane `lane`."""
-        return self.call(lambda: self.sessions.restore(lane, filename)).result()
+        """Restore `filename` from --session-dir into idle lane `lane` (read and checked in this thread)."""
+        loaded = self.sessions.read(filename)  # file I/O off the engine thread
+        return self.call(lambda: self.sessions.install(lane, loaded)).result()
 
     def parked(self) -> list[dict[str, int]]:
         """The parked conversations, least recently used first: id, tokens, bytes."""

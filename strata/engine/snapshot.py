@@ -20,10 +20,12 @@ before it writes a byte. Files are written to a temporary name and renamed.
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import json
 import math
 import os
+import stat
 import struct
 import sys
 import tempfile
@@ -80,6 +82,43 @@ class SessionHeader:
         return len(self.layers)
 
 
+def layout_of(storages: list[Storage]) -> tuple[tuple[RunInfo, ...], ...]:
+    """The per-layer run layout (name, dtype, cell shape) of a pool's storage, as a header states it."""
+    return tuple(
+        tuple(RunInfo(name, _DTYPE_NAMES.get(t.dtype, str(t.dtype)), tuple(t.shape[1:])) for name, t in st.items())
+        for st in storages
+    )
+
+
+def check_layout(header: SessionHeader, layout: tuple[tuple[RunInfo, ...], ...], where: str) -> None:
+    """Refuse a file whose layers, runs, dtypes or cell shapes differ from the running pool's.
+
+    The checksum proves the file is what was written, not that this engine
+    wrote it: a file of another layer count or cell layout would otherwise be
+    copied into the pool (or fail half-way, after the lane gave way).
+    """
+    if header.n_layers != len(layout):
+        raise SessionFileError(where, f"has {header.n_layers} layers; this model has {len(layout)}")
+    for i, (got, want) in enumerate(zip(header.layers, layout)):
+        if [r.name for r in got] != [r.name for r in want]:
+            raise SessionFileError(where, f"layer {i} holds runs {[r.name for r in got]}; this engine's "
+                                          f"cells are {[r.name for r in want]}")
+        for g, w in zip(got, want):
+            if g.dtype != w.dtype:
+                raise SessionFileError(where, f"layer {i} run {g.name!r} is {g.dtype}; this engine "
+                                              f"stores {w.dtype}")
+            if g.shape != w.shape:
+                raise SessionFileError(where, f"layer {i} run {g.name!r} has cells of shape {list(g.shape)}; "
+                                              f"this engine's are {list(w.shape)}")
+
+
+def check_tokens(tokens: torch.Tensor, vocab_size: int, where: str) -> None:
+    """Every token id must be one the model knows (an id past the vocabulary breaks the embedding)."""
+    if tokens.numel() and (int(tokens.min()) < 0 or int(tokens.max()) >= vocab_size):
+        bad = tokens[(tokens < 0) | (tokens >= vocab_size)][0]
+        raise SessionFileError(where, f"token id {int(bad)} is outside the vocabulary (0..{vocab_size - 1})")
+
+
 def _element_size(dtype: str) -> int:
     return torch.empty((), dtype=_DTYPES[dtype]).element_size()
 
@@ -104,8 +143,8 @@ def resolve_session_path(session_dir: str | os.PathLike[str], name: str) -> Path
         raise BadRequest(f"invalid session filename {name!r}: use a plain file name",
                          param="filename")
     root = Path(session_dir).resolve()
-    path = (root / name).resolve()
-    if path.parent != root:
+    path = root / name  # not resolved: the file is opened without following a link
+    if path.resolve().parent != root:
         raise BadRequest(f"session filename {name!r} resolves outside the session folder",
                          param="filename")
     return path
@@ -227,8 +266,8 @@ def _read_header(
         raise SessionFileError(where, f"saved on a {h['byteorder']}-endian machine")
     if model_identity is not None and h["model_identity"] != model_identity:
         raise SessionFileError(
-            where, f"saved by another model (identity {h['model_identity'][:16]}, "
-                   f"this model {model_identity[:16]})")
+            where, f"saved by another model (identity {h['model_identity']}, "
+                   f"this model {model_identity})")
     if kv_format is not None and h["kv_format"] != kv_format:
         raise SessionFileError(
             where, f"saved with --kv {h['kv_format']}, this engine uses --kv {kv_format}")
@@ -245,11 +284,32 @@ def _read_header(
     return SessionHeader(version=version, **h)
 
 
+_OPEN_FLAGS = os.O_RDONLY | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_CLOEXEC", 0)
+
+
 def _open(path: str | os.PathLike[str]) -> BinaryIO:
+    """Open a regular file only: no link is followed, and a FIFO or device never blocks the caller.
+
+    O_NONBLOCK makes opening a FIFO return at once (a plain open would wait for
+    a writer, with the engine thread); fstat then refuses anything but a
+    regular file before a byte is read.
+    """
+    where = str(path)
     try:
-        return open(path, "rb")
+        fd = os.open(path, _OPEN_FLAGS)
     except OSError as e:
-        raise SessionFileError(str(path), f"cannot open: {e.strerror or e}") from None
+        if e.errno == errno.ELOOP:
+            raise SessionFileError(where, "is a symbolic link; session files must be regular files") from None
+        raise SessionFileError(where, f"cannot open: {e.strerror or e}") from None
+    try:
+        mode = os.fstat(fd).st_mode
+        if not stat.S_ISREG(mode):
+            raise SessionFileError(where, "is not a regular file (a FIFO, device or folder); refused")
+        os.set_blocking(fd, True)
+        return os.fdopen(fd, "rb")
+    except BaseException:
+        os.close(fd)
+        raise
 
 
 def peek_session(
