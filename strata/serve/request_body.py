@@ -64,6 +64,13 @@ def field_name(path: _Path) -> str:
     return out
 
 
+def _top(path: _Path) -> _Path:
+    """The top-level field of a linked path."""
+    while path is not None and path[0] is not None:
+        path = path[0]
+    return path
+
+
 def _too(status: int, message: str, path: _Path, code: str) -> ApiError:
     field = field_name(path) or None
     where = f"'{field}'" if field else "the request body"
@@ -177,9 +184,9 @@ def check_values(data: Any, limits: Limits = LIMITS) -> None:
         if isinstance(value, str):
             _check_string(value, path, limits)
         elif isinstance(value, (dict, list)):
-            if depth > limits.depth:
+            if depth > limits.depth:  # named by its top-level field: the full path is the problem
                 raise _too(400, "{where} is nested more than " + f"{limits.depth} levels deep",
-                           path, "too_deep")
+                           _top(path), "too_deep")
             if isinstance(value, dict):
                 if len(value) > limits.object_keys:
                     raise _too(400, "{where} " + f"has {len(value)} keys; the limit is {limits.object_keys}",
