@@ -63,9 +63,9 @@ class Message(_Strict):
         if isinstance(data, dict) and isinstance(data.get("content"), list):
             for i, block in enumerate(data["content"]):
                 kind = block.get("type") if isinstance(block, dict) else None
-                if kind not in _BLOCK_TYPES:
+                if not isinstance(kind, str) or kind not in _BLOCK_TYPES:
                     raise ValueError(
-                        f"content[{i}]: block type {kind!r} is not supported (text and thinking only)"
+                        f"content[{i}]: block type {kind!r:.80} is not supported (text and thinking only)"
                     )
                 if kind != "text" and data.get("role") != "assistant":
                     raise ValueError(f"content[{i}]: {kind} blocks may only appear in assistant turns")

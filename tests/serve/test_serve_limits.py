@@ -157,3 +157,11 @@ def test_json_media_types_with_parameters_pass(client: TestClient) -> None:
     r = client.post(CHAT, content=json.dumps({**BASES[CHAT], "temperature": 0}).encode(),
                     headers={"content-type": "application/json; charset=utf-8"})
     assert r.status_code == 200, r.text
+
+
+def test_a_block_type_of_the_wrong_type_is_a_400(client: TestClient) -> None:
+    """Found by the fuzzer: a list as a block's "type" reached a set lookup (TypeError, 500)."""
+    turns = [{"role": "user", "content": [{"type": "text", "text": ""}, {"text": "", "type": []}]}]
+    for url in (MSGS, COUNT):
+        message = error(client.post(url, json={**BASES[url], "messages": turns}), 400)
+        assert "block type [] is not supported" in message
