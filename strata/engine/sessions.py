@@ -11,6 +11,7 @@ the engine is left as it was.
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -23,8 +24,8 @@ from strata.engine.snapshot import (
     check_layout,
     check_tokens,
     layout_of,
+    SessionHeader,
     load_session,
-    peek_session,
     resolve_session_path,
     save_session,
 )
@@ -105,21 +106,23 @@ class SessionFiles:
         """Read and check a session file against this engine; touches no lane (any thread)."""
         path = self._path(filename)
         where = str(path)
-        kw = {"model_identity": self.identity, "kv_format": self.pool.fmt.name}
-        header = peek_session(path, **kw)
-        check_layout(header, self.layout, where)
-        n = header.n_tokens
-        if n < 1:
-            raise BadRequest(f"{filename}: the file holds no tokens", "filename")
-        if n >= self.pool.max_chunks * self.pool.chunk_size:
-            raise BadRequest(f"{filename}: {n} tokens do not fit --max-context", "filename")
-        if self.pool.chunks_for(n) > self.pool.num_chunks:
-            raise BadRequest(f"{filename}: {n} tokens are more than the whole KV pool holds "
-                             f"({self.pool.total_cells} cells)", "filename")
-        tokens, layers = load_session(path, **kw)  # the payload and its checksum
+
+        def accept(header: SessionHeader) -> None:
+            check_layout(header, self.layout, where)
+            n = header.n_tokens
+            if n < 1:
+                raise BadRequest(f"{filename}: the file holds no tokens", "filename")
+            if n >= self.pool.max_chunks * self.pool.chunk_size:
+                raise BadRequest(f"{filename}: {n} tokens do not fit --max-context", "filename")
+            if self.pool.chunks_for(n) > self.pool.num_chunks:
+                raise BadRequest(f"{filename}: {n} tokens are more than the whole KV pool holds "
+                                 f"({self.pool.total_cells} cells)", "filename")
+
+        tokens, layers = load_session(path, model_identity=self.identity, kv_format=self.pool.fmt.name,
+                                      accept=accept)  # one open: the header checked is the one read
         if self.vocab_size is not None:
             check_tokens(tokens, self.vocab_size, where)
-        return LoadedSession(filename, tokens, layers, path.stat().st_size)
+        return LoadedSession(filename, tokens, layers, os.lstat(path).st_size)
 
     def install(self, lane_index: int, loaded: LoadedSession) -> SessionResult:
         """Write a checked session into an idle lane (engine thread), its old conversation giving way."""

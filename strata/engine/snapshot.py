@@ -32,7 +32,7 @@ import tempfile
 import zlib
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, BinaryIO
+from typing import Any, BinaryIO, Callable
 
 import torch
 
@@ -322,16 +322,21 @@ def peek_session(
 
 
 def load_session(
-    path: str | os.PathLike[str], *, model_identity: str, kv_format: str
+    path: str | os.PathLike[str], *, model_identity: str, kv_format: str,
+    accept: Callable[[SessionHeader], None] | None = None,
 ) -> tuple[torch.Tensor, list[Storage]]:
     """(token ids int32 [n], per layer run name -> CPU tensor [n, *cell shape]).
 
     Raises SessionFileError naming the file for anything wrong; nothing is
-    returned until the payload checksum has been verified.
+    returned until the payload checksum has been verified. `accept` sees the
+    header of the file as opened (so it cannot change between a check and the
+    read) and raises to refuse it before the payload is read.
     """
     where = str(path)
     with _open(path) as f:
         h = _read_header(f, where, model_identity, kv_format)
+        if accept is not None:
+            accept(h)
         n = h.n_tokens
         tokens = torch.empty(n, dtype=TOKEN_DTYPE)
         layers: list[Storage] = [

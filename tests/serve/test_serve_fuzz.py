@@ -22,7 +22,7 @@ from typing import Any
 
 import pytest
 from fake_engine import FakeEngine
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 from starlette.testclient import TestClient
 
@@ -199,6 +199,7 @@ def _check_shape(url: str, status: int, body: Any) -> None:
 def test_no_request_gets_a_5xx(client: TestClient, case: tuple[str, bytes, dict[str, str]]) -> None:
     url, raw, headers = case
     r = client.post(url, content=raw, headers=headers)
+    event(f"status {r.status_code}")  # the spread of answers, shown by --hypothesis-show-statistics
     assert r.status_code < 500, (r.status_code, r.text[:500])
     if r.status_code >= 400:
         _check_shape(url.split("?")[0], r.status_code, r.json())
