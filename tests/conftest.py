@@ -5,8 +5,13 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+from hypothesis import settings
 
 from strata.default_model import default_model_path
+
+# The long fuzz run: `pytest tests/serve/test_serve_fuzz.py --hypothesis-profile=fuzz-long`
+# (docs/RELIABILITY.md). Registered here so the option finds it before collection.
+settings.register_profile("fuzz-long", max_examples=20_000, deadline=None)
 
 
 @pytest.fixture(scope="session")

@@ -19,7 +19,7 @@ class EngineConfig:
     parallel: int = 1  # lanes decoded together
     max_context: int = 4096  # tokens one conversation may reach
     kv_pool_tokens: int | None = None  # shared pool size in cells; None = lanes x max_context
-    kv_chunk: int = 4096  # cells per pool chunk
+    kv_chunk: int | None = None  # cells per pool chunk; None = chosen by pool_chunk_size()
     kv: str = "auto"  # cell format: auto (the compute dtype) | fp32 | fp16 | bf16 | int8 | q4_0 | k8v4
     kv_resident: int | None = None  # cells per layer kept on the device when streaming
     prefill_chunk: int = 512  # prompt tokens read per engine step and lane
@@ -32,6 +32,48 @@ class EngineConfig:
     prefix_reuse: bool = True  # reuse cached conversations' K/V (off: every prompt read from 0)
     pipeline: str = "auto"  # launch the next greedy decode step before post-processing this one:
     # auto (with CUDA-graph decode) | on | off
+
+
+DEFAULT_KV_CHUNK = 4096
+MIN_AUTO_KV_CHUNK = 64  # a streamed pool's block: smaller chunks would split its blocks
+CHUNKS_PER_LANE = 4
+
+
+def pool_chunk_size(config: EngineConfig) -> int:
+    """Cells per pool chunk: --kv-chunk if given, else a size that lets every lane run.
+
+    A chunk is reserved whole, so a shared pool of fewer chunks than lanes can
+    never run all its lanes (--parallel 4 --kv-pool-tokens 8192 with 4096-cell
+    chunks made two chunks: two lanes idle forever). Without --kv-chunk the
+    chunk is the largest power of two from 4096 down to 64 cells (and at most
+    --max-context) that gives each lane 4 chunks of the pool; failing that, the
+    largest that gives each lane one; failing that, 64. Without
+    --kv-pool-tokens every lane owns --max-context cells, so 4096 (or
+    --max-context, if smaller) it is.
+    """
+    if config.kv_chunk is not None:
+        return min(config.kv_chunk, config.max_context)
+    sizes = [c for c in (DEFAULT_KV_CHUNK >> i for i in range(7)) if c <= config.max_context]
+    if not sizes:  # a context shorter than the smallest size: one chunk holds it
+        return config.max_context
+    if config.kv_pool_tokens is None:
+        return sizes[0]
+    lanes = max(1, config.parallel)
+    for per_lane in (CHUNKS_PER_LANE, 1):
+        for size in sizes:
+            if config.kv_pool_tokens // size >= per_lane * lanes:
+                return size
+    return sizes[-1]
+
+
+def describe_pool(lanes: int, chunks: int, chunk_cells: int, nbytes: int, kv: str, shared: bool) -> str:
+    """The start-up line saying what the KV pool holds."""
+    layout = "shared" if shared else "one range per lane"
+    line = (f"KV pool: {lanes} lanes, {chunks} chunks of {chunk_cells} cells = {chunks * chunk_cells} "
+            f"cells, {nbytes / 2**20:.1f} MiB ({kv}, {layout})")
+    if chunks < lanes:
+        line += f"; only {chunks} of {lanes} lanes can hold a conversation at once"
+    return line
 
 
 def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
@@ -52,7 +94,9 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
                    help="tokens one conversation may reach")
     g.add_argument("--kv-pool-tokens", type=int, default=d.kv_pool_tokens,
                    help="cells in one KV pool shared by all lanes (default: lanes x max-context)")
-    g.add_argument("--kv-chunk", type=int, default=d.kv_chunk, help="cells per pool chunk")
+    g.add_argument("--kv-chunk", type=int, default=d.kv_chunk,
+                   help="cells per pool chunk (default: 4096, smaller when --kv-pool-tokens would "
+                        "otherwise give a lane fewer than 4 chunks; see pool_chunk_size)")
     g.add_argument("--kv", default=d.kv, help="KV cell format: auto | fp32 | fp16 | bf16 | int8 | q4_0 | k8v4")
     g.add_argument("--kv-resident", type=int, default=d.kv_resident,
                    help="stream K/V: keep this many cells per layer on the device, the rest in host RAM")

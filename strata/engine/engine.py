@@ -16,7 +16,7 @@ from typing import Any, Callable
 
 import torch
 
-from strata.engine.config import EngineConfig
+from strata.engine.config import EngineConfig, describe_pool, pool_chunk_size
 from strata.engine.conversation_cache import ConversationCache
 from strata.engine.parking import Parking
 from strata.engine.pipeline import Launched, continuation
@@ -94,7 +94,7 @@ class Engine:
         self.dtype = next(self.loaded.model.parameters()).dtype
         kv_name = _KV_AUTO[self.dtype] if config.kv == "auto" else config.kv
         fmt = make_format(kv_name, mc.num_kv_heads, mc.head_dim)
-        chunk = min(config.kv_chunk, config.max_context)
+        chunk = pool_chunk_size(config)
         if config.kv_resident is not None:  # K/V in (pinned) host RAM, N cells per layer on the device
             self.pool: KvPool = StreamedPool(fmt, mc.num_layers, config.parallel, config.max_context,
                                              chunk, config.kv_pool_tokens, self.device,
@@ -102,6 +102,8 @@ class Engine:
         else:
             self.pool = KvPool(fmt, mc.num_layers, config.parallel, config.max_context, chunk,
                                config.kv_pool_tokens, self.device, pin=False)
+        log.info("%s", describe_pool(config.parallel, self.pool.num_chunks, chunk, self.pool.total_bytes(),
+                                     fmt.name, self.pool.shared))
         self.conversations: ConversationCache | None = None
         parking = None
         if config.conversation_cache_mib > 0:
@@ -117,7 +119,7 @@ class Engine:
         # costs a wasted step per stopped lane, so `auto` leaves it off
         self.pipeline = config.pipeline == "on" or (config.pipeline == "auto" and self.runner.graphs is not None)
         self.stop_ids = set(self.tokenizer.stop_token_ids)
-        self.sessions = SessionFiles(self.scheduler, config.session_dir, self.loaded.identity)
+        self.sessions = SessionFiles(self.scheduler, config.session_dir, self.loaded.identity, mc.vocab_size)
 
     # ---- public API ---------------------------------------------------------
     def generate(self, prompt_ids: list[int], params: SamplingParams | None = None) -> RequestHandle:
@@ -167,8 +169,9 @@ class Engine:
         return self.call(lambda: self.sessions.save(lane, filename)).result()
 
     def restore_session(self, lane: int, filename: str) -> SessionResult:
-        """Restore `filename` from --session-dir into idle lane `lane`."""
-        return self.call(lambda: self.sessions.restore(lane, filename)).result()
+        """Restore `filename` from --session-dir into idle lane `lane` (read and checked in this thread)."""
+        loaded = self.sessions.read(filename)  # file I/O off the engine thread
+        return self.call(lambda: self.sessions.install(lane, loaded)).result()
 
     def parked(self) -> list[dict[str, int]]:
         """The parked conversations, least recently used first: id, tokens, bytes."""
@@ -302,10 +305,11 @@ class Engine:
 
     def _enqueue(self, incoming: list[Request]) -> None:
         waiting = self.scheduler.waiting
+        free = len(self.scheduler.free_lanes())  # requests that will take a lane at once never wait
         for req in incoming:
-            if len(waiting) >= self.config.max_queued:
+            if len(waiting) - free >= self.config.max_queued:
                 self.scheduler.counters.refusals += 1
-                req.handle.fail(QueueFull(f"{len(waiting)} requests are already waiting "
+                req.handle.fail(QueueFull(f"{len(waiting) - free} requests are already waiting "
                                           f"(--max-queued {self.config.max_queued})"))
             else:
                 waiting.append(req)

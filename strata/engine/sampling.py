@@ -207,7 +207,7 @@ def filtered_weights(
     device = scores.device
     temp = torch.tensor([p.temperature for p in params], dtype=scores.dtype, device=device)
     z = scores / temp.unsqueeze(1)
-    weights = (z - z.amax(dim=-1, keepdim=True)).exp()
+    weights = _finite_weights(z)
 
     top_k = [p.top_k if 0 < p.top_k < vocab else vocab for p in params]
     top_p = [min(max(p.top_p, 0.0), 1.0) for p in params]
@@ -218,6 +218,23 @@ def filtered_weights(
     elif not any(min_p):
         return weights
     return weights * (weights >= floor.unsqueeze(1))
+
+
+def _finite_weights(z: Tensor) -> Tensor:
+    """exp(z - max z) with no NaN or inf: +inf scores share the top weight 1, NaN scores weigh 0.
+
+    A row with no finite best score (all NaN or -inf) keeps weight 1 on its first token,
+    so every row can still be drawn from and nothing non-finite reaches `draw`.
+    """
+    top = torch.finfo(z.dtype).max
+    z = torch.nan_to_num(z, nan=-torch.inf, posinf=top, neginf=-torch.inf)
+    best = z.amax(dim=-1, keepdim=True)
+    weights = (z - best).exp()
+    dead = ~torch.isfinite(best.squeeze(1))
+    if dead.any():
+        weights[dead] = 0.0
+        weights[dead, 0] = 1.0
+    return weights
 
 
 def _rank_floor(weights: Tensor, top_k: list[int], top_p: list[float], window: int) -> Tensor:

@@ -1,13 +1,17 @@
 """Session files for lanes: save a lane's conversation, restore one into a lane.
 
-Both run inside the engine loop (between steps), so they never race a
-forward pass. A restore validates the whole file first, then reserves the
-pool chunks it needs (KvPoolFull if they are not there), and only then writes
-a byte; on any error the engine is left as it was.
+Saves and the writing half of a restore run inside the engine loop (between
+steps), so they never race a forward pass. A restore is read and checked
+first, off the engine thread (`read`: only regular files, the checksum, then
+every layout fact against this engine: layers, runs, dtypes, cell shapes,
+length, token ids), then `install` reserves the pool chunks it needs
+(KvPoolFull if they are not there) and only then writes a byte; on any error
+the engine is left as it was.
 """
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -15,8 +19,27 @@ from typing import Any
 import torch
 
 from strata.engine.scheduler import Lane, Scheduler
-from strata.engine.snapshot import load_session, peek_session, resolve_session_path, save_session
+from strata.engine.snapshot import (
+    SessionHeader,
+    check_layout,
+    check_tokens,
+    layout_of,
+    load_session,
+    resolve_session_path,
+    save_session,
+)
 from strata.errors import BadRequest, KvPoolFull, StrataError
+from strata.kv.formats import Storage
+
+
+@dataclass
+class LoadedSession:
+    """A session file read and checked against this engine, not yet in any lane."""
+
+    filename: str
+    tokens: torch.Tensor
+    layers: list[Storage]
+    n_bytes: int
 
 
 @dataclass
@@ -28,11 +51,14 @@ class SessionResult:
 
 
 class SessionFiles:
-    def __init__(self, scheduler: Scheduler, session_dir: str | None, model_identity: str) -> None:
+    def __init__(self, scheduler: Scheduler, session_dir: str | None, model_identity: str,
+                 vocab_size: int | None = None) -> None:
         self.scheduler = scheduler
         self.pool = scheduler.pool
         self.session_dir = session_dir
         self.identity = model_identity
+        self.vocab_size = vocab_size
+        self.layout = layout_of(self.pool.layers)  # fixed for the engine's life: safe to read anywhere
 
     def _path(self, filename: str) -> Path:
         if self.session_dir is None:
@@ -71,16 +97,37 @@ class SessionFiles:
 
     def restore(self, lane_index: int, filename: str) -> SessionResult:
         """Read a file into an idle lane, replacing (after parking) its conversation."""
+        self._lane(lane_index)
+        return self.install(lane_index, self.read(filename))
+
+    def read(self, filename: str) -> LoadedSession:
+        """Read and check a session file against this engine; touches no lane (any thread)."""
         path = self._path(filename)
+        where = str(path)
+
+        def accept(header: SessionHeader) -> None:
+            check_layout(header, self.layout, where)
+            n = header.n_tokens
+            if n < 1:
+                raise BadRequest(f"{filename}: the file holds no tokens", "filename")
+            if n >= self.pool.max_chunks * self.pool.chunk_size:
+                raise BadRequest(f"{filename}: {n} tokens do not fit --max-context", "filename")
+            if self.pool.chunks_for(n) > self.pool.num_chunks:
+                raise BadRequest(f"{filename}: {n} tokens are more than the whole KV pool holds "
+                                 f"({self.pool.total_cells} cells)", "filename")
+
+        tokens, layers = load_session(path, model_identity=self.identity, kv_format=self.pool.fmt.name,
+                                      accept=accept)  # one open: the header checked is the one read
+        if self.vocab_size is not None:
+            check_tokens(tokens, self.vocab_size, where)
+        return LoadedSession(filename, tokens, layers, os.lstat(path).st_size)
+
+    def install(self, lane_index: int, loaded: LoadedSession) -> SessionResult:
+        """Write a checked session into an idle lane (engine thread), its old conversation giving way."""
         lane = self._lane(lane_index)
         if lane.request is not None:
             raise BadRequest(f"lane {lane_index} is busy; restore into an idle lane", "id_slot")
-        kw = {"model_identity": self.identity, "kv_format": self.pool.fmt.name}
-        header = peek_session(path, **kw)
-        if header.n_tokens >= self.pool.max_chunks * self.pool.chunk_size:
-            raise BadRequest(f"{filename}: {header.n_tokens} tokens do not fit --max-context", "filename")
-        tokens, layers = load_session(path, **kw)  # everything validated before any change
-        n = header.n_tokens
+        n = len(loaded.tokens)
         need = self.pool.chunks_for(n)
         if self.pool.shortfall(lane.index, n) > 0 and not self._room_possible(lane, need):
             raise KvPoolFull(f"KV pool full: restoring {n} tokens needs {need} chunks",
@@ -90,9 +137,9 @@ class SessionFiles:
             raise KvPoolFull(f"KV pool full: restoring {n} tokens needs {need} chunks",
                              retry_after=self.scheduler.retry_after)
         self.pool.import_range(lane.index, 0, [{k: torch.as_tensor(a[:n]) for k, a in runs.items()}
-                                               for runs in layers])
-        lane.tokens = tokens.tolist()
-        return SessionResult(lane_index, filename, n, path.stat().st_size)
+                                               for runs in loaded.layers])
+        lane.tokens = loaded.tokens.tolist()
+        return SessionResult(lane_index, loaded.filename, n, loaded.n_bytes)
 
     def _room_possible(self, lane: Lane, need: int) -> bool:
         """Could `need` chunks be found for the lane by evicting idle conversations?"""

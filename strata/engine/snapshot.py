@@ -7,7 +7,7 @@ Layout (all integers little-endian):
     hlen    u32      length of the header JSON
     header  hlen     UTF-8 JSON: model identity, KV format, token count, every
                      layer's runs (name, dtype, cell shape), payload length and
-                     sha256, byte order, extra (JSON values)
+                     sha256, byte order
     hcrc    u32      crc32 of the header JSON
     payload          token ids (int32), then each layer's runs in header order,
                      the first n_tokens cells of each, raw bytes
@@ -20,17 +20,19 @@ before it writes a byte. Files are written to a temporary name and renamed.
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import json
 import math
 import os
+import stat
 import struct
 import sys
 import tempfile
 import zlib
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, BinaryIO
+from typing import Any, BinaryIO, Callable
 
 import torch
 
@@ -73,11 +75,47 @@ class SessionHeader:
     layers: tuple[tuple[RunInfo, ...], ...]
     payload_len: int
     payload_sha256: str
-    extra: dict[str, Any] = field(default_factory=dict)
 
     @property
     def n_layers(self) -> int:
         return len(self.layers)
+
+
+def layout_of(storages: list[Storage]) -> tuple[tuple[RunInfo, ...], ...]:
+    """The per-layer run layout (name, dtype, cell shape) of a pool's storage, as a header states it."""
+    return tuple(
+        tuple(RunInfo(name, _DTYPE_NAMES.get(t.dtype, str(t.dtype)), tuple(t.shape[1:])) for name, t in st.items())
+        for st in storages
+    )
+
+
+def check_layout(header: SessionHeader, layout: tuple[tuple[RunInfo, ...], ...], where: str) -> None:
+    """Refuse a file whose layers, runs, dtypes or cell shapes differ from the running pool's.
+
+    The checksum proves the file is what was written, not that this engine
+    wrote it: a file of another layer count or cell layout would otherwise be
+    copied into the pool (or fail half-way, after the lane gave way).
+    """
+    if header.n_layers != len(layout):
+        raise SessionFileError(where, f"has {header.n_layers} layers; this model has {len(layout)}")
+    for i, (got, want) in enumerate(zip(header.layers, layout)):
+        if [r.name for r in got] != [r.name for r in want]:
+            raise SessionFileError(where, f"layer {i} holds runs {[r.name for r in got]}; this engine's "
+                                          f"cells are {[r.name for r in want]}")
+        for g, w in zip(got, want):
+            if g.dtype != w.dtype:
+                raise SessionFileError(where, f"layer {i} run {g.name!r} is {g.dtype}; this engine "
+                                              f"stores {w.dtype}")
+            if g.shape != w.shape:
+                raise SessionFileError(where, f"layer {i} run {g.name!r} has cells of shape {list(g.shape)}; "
+                                              f"this engine's are {list(w.shape)}")
+
+
+def check_tokens(tokens: torch.Tensor, vocab_size: int, where: str) -> None:
+    """Every token id must be one the model knows (an id past the vocabulary breaks the embedding)."""
+    if tokens.numel() and (int(tokens.min()) < 0 or int(tokens.max()) >= vocab_size):
+        bad = tokens[(tokens < 0) | (tokens >= vocab_size)][0]
+        raise SessionFileError(where, f"token id {int(bad)} is outside the vocabulary (0..{vocab_size - 1})")
 
 
 def _element_size(dtype: str) -> int:
@@ -104,8 +142,8 @@ def resolve_session_path(session_dir: str | os.PathLike[str], name: str) -> Path
         raise BadRequest(f"invalid session filename {name!r}: use a plain file name",
                          param="filename")
     root = Path(session_dir).resolve()
-    path = (root / name).resolve()
-    if path.parent != root:
+    path = root / name  # not resolved: the file is opened without following a link
+    if path.resolve().parent != root:
         raise BadRequest(f"session filename {name!r} resolves outside the session folder",
                          param="filename")
     return path
@@ -118,12 +156,11 @@ def save_session(
     *,
     model_identity: str,
     kv_format: str,
-    extra: dict[str, Any] | None = None,
 ) -> int:
     """Write a session file atomically; returns its size in bytes.
 
     Each run tensor has a leading cell dimension of at least len(tokens); the
-    first len(tokens) cells are saved. `extra` must be JSON-serializable.
+    first len(tokens) cells are saved.
     """
     where = str(path)
     toks = torch.as_tensor(tokens, dtype=TOKEN_DTYPE, device="cpu").reshape(-1).contiguous()
@@ -149,12 +186,9 @@ def save_session(
         "layers": [[{"name": r.name, "dtype": r.dtype, "shape": list(r.shape)} for r in runs]
                    for runs in infos],
         "payload_len": _payload_len(n, infos), "payload_sha256": digest.hexdigest(),
-        "byteorder": sys.byteorder, "extra": extra or {},
+        "byteorder": sys.byteorder,
     }
-    try:
-        blob = json.dumps(header, separators=(",", ":")).encode("utf-8")
-    except (TypeError, ValueError) as e:
-        raise SessionFileError(where, f"extra state is not JSON-serializable: {e}") from None
+    blob = json.dumps(header, separators=(",", ":")).encode("utf-8")
     target = Path(path)
     tmp: str | None = None
     try:
@@ -194,7 +228,7 @@ def _parse_header(blob: bytes, where: str) -> dict[str, Any]:
             "model_identity": str(h["model_identity"]), "kv_format": str(h["kv_format"]),
             "n_tokens": int(h["n_tokens"]), "layers": layers,
             "payload_len": int(h["payload_len"]), "payload_sha256": str(h["payload_sha256"]),
-            "byteorder": str(h["byteorder"]), "extra": dict(h["extra"]),
+            "byteorder": str(h["byteorder"]),
         }
     except (UnicodeDecodeError, ValueError, KeyError, TypeError) as e:
         raise SessionFileError(where, f"header is malformed ({type(e).__name__}: {e})") from None
@@ -227,8 +261,8 @@ def _read_header(
         raise SessionFileError(where, f"saved on a {h['byteorder']}-endian machine")
     if model_identity is not None and h["model_identity"] != model_identity:
         raise SessionFileError(
-            where, f"saved by another model (identity {h['model_identity'][:16]}, "
-                   f"this model {model_identity[:16]})")
+            where, f"saved by another model (identity {h['model_identity']}, "
+                   f"this model {model_identity})")
     if kv_format is not None and h["kv_format"] != kv_format:
         raise SessionFileError(
             where, f"saved with --kv {h['kv_format']}, this engine uses --kv {kv_format}")
@@ -245,11 +279,32 @@ def _read_header(
     return SessionHeader(version=version, **h)
 
 
+_OPEN_FLAGS = os.O_RDONLY | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_CLOEXEC", 0)
+
+
 def _open(path: str | os.PathLike[str]) -> BinaryIO:
+    """Open a regular file only: no link is followed, and a FIFO or device never blocks the caller.
+
+    O_NONBLOCK makes opening a FIFO return at once (a plain open would wait for
+    a writer, with the engine thread); fstat then refuses anything but a
+    regular file before a byte is read.
+    """
+    where = str(path)
     try:
-        return open(path, "rb")
+        fd = os.open(path, _OPEN_FLAGS)
     except OSError as e:
-        raise SessionFileError(str(path), f"cannot open: {e.strerror or e}") from None
+        if e.errno == errno.ELOOP:
+            raise SessionFileError(where, "is a symbolic link; session files must be regular files") from None
+        raise SessionFileError(where, f"cannot open: {e.strerror or e}") from None
+    try:
+        mode = os.fstat(fd).st_mode
+        if not stat.S_ISREG(mode):
+            raise SessionFileError(where, "is not a regular file (a FIFO, device or folder); refused")
+        os.set_blocking(fd, True)
+        return os.fdopen(fd, "rb")
+    except BaseException:
+        os.close(fd)
+        raise
 
 
 def peek_session(
@@ -262,16 +317,21 @@ def peek_session(
 
 
 def load_session(
-    path: str | os.PathLike[str], *, model_identity: str, kv_format: str
+    path: str | os.PathLike[str], *, model_identity: str, kv_format: str,
+    accept: Callable[[SessionHeader], None] | None = None,
 ) -> tuple[torch.Tensor, list[Storage]]:
     """(token ids int32 [n], per layer run name -> CPU tensor [n, *cell shape]).
 
     Raises SessionFileError naming the file for anything wrong; nothing is
-    returned until the payload checksum has been verified.
+    returned until the payload checksum has been verified. `accept` sees the
+    header of the file as opened (so it cannot change between a check and the
+    read) and raises to refuse it before the payload is read.
     """
     where = str(path)
     with _open(path) as f:
         h = _read_header(f, where, model_identity, kv_format)
+        if accept is not None:
+            accept(h)
         n = h.n_tokens
         tokens = torch.empty(n, dtype=TOKEN_DTYPE)
         layers: list[Storage] = [

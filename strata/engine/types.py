@@ -5,6 +5,10 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass, field
 
+# Temperatures below this sample as greedy: dividing logits by 1e-300 overflows to
+# inf and inf - inf is NaN (vLLM uses the same 1e-5).
+GREEDY_BELOW = 1e-5
+
 
 class FinishReason(str, enum.Enum):
     STOP = "stop"  # EOS, an end-of-turn token, or a stop string
@@ -17,7 +21,7 @@ class SamplingParams:
     """How to pick tokens. Defaults give greedy decoding of up to 256 tokens."""
 
     max_tokens: int = 256
-    temperature: float = 0.0  # 0 means greedy
+    temperature: float = 0.0  # 0 (or anything below GREEDY_BELOW, or NaN) means greedy
     top_p: float = 1.0
     top_k: int = 0  # 0 means off
     min_p: float = 0.0
@@ -32,7 +36,7 @@ class SamplingParams:
 
     @property
     def greedy(self) -> bool:
-        return self.temperature <= 0.0
+        return not self.temperature >= GREEDY_BELOW
 
 
 @dataclass

@@ -17,7 +17,7 @@ from starlette.responses import JSONResponse, Response
 
 from strata.engine.types import FinishReason, StreamEvent
 from strata.serve import generation as g
-from strata.serve.errors import read_body
+from strata.serve.request_body import read_body
 from strata.serve.reasoning import ThinkSplitter, prompt_opens_thinking
 from strata.serve.schemas_anthropic import (
     UNSUPPORTED_MESSAGES,

@@ -13,6 +13,7 @@ import time
 from typing import Any
 
 from fastapi import FastAPI, Request
+from fastapi.middleware.cors import CORSMiddleware
 from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.responses import JSONResponse, Response
@@ -27,6 +28,12 @@ from strata.serve.streaming import ClientDisconnected
 log = logging.getLogger("strata.serve")
 
 OPEN_PATHS = {"/health"}  # answered without an API key: load balancers probe it
+# What the OpenAI and Anthropic SDKs send from a browser.
+CORS_HEADERS = ["authorization", "content-type", "x-api-key", "anthropic-version", "anthropic-beta",
+                "anthropic-dangerous-direct-browser-access", "openai-organization", "openai-project",
+                "x-stainless-arch", "x-stainless-lang", "x-stainless-os", "x-stainless-package-version",
+                "x-stainless-retry-count", "x-stainless-runtime", "x-stainless-runtime-version",
+                "x-stainless-timeout"]
 
 
 class AccessMiddleware:
@@ -44,15 +51,16 @@ class AccessMiddleware:
         self.known_paths = known_paths  # metric labels: unmatched paths count as "other"
 
     def _authorized(self, scope: Scope) -> bool:
+        """The key as UTF-8 bytes against the raw header bytes, in constant time."""
         key = self.state.api_key
-        if not key or scope["path"] in OPEN_PATHS:
+        if key is None or scope["path"] in OPEN_PATHS:
             return True
-        headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope["headers"]}
-        offered = headers.get("x-api-key")
-        auth = headers.get("authorization", "")
-        if offered is None and auth[:7].lower() == "bearer ":
+        headers = {k.lower(): v for k, v in scope["headers"]}
+        offered = headers.get(b"x-api-key")
+        auth = headers.get(b"authorization", b"")
+        if offered is None and auth[:7].lower() == b"bearer ":
             offered = auth[7:].strip()
-        return offered is not None and hmac.compare_digest(offered.encode(), key.encode())
+        return offered is not None and hmac.compare_digest(offered, key.encode("utf-8"))
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
@@ -128,8 +136,17 @@ def build_app(
     api_key: str | None = None,
     model_name: str | None = None,
     session_dir: str | None = None,
+    cors_origins: list[str] | None = None,
 ) -> FastAPI:
-    """The HTTP app over `engine`; None means "loading" until attach_engine()."""
+    """The HTTP app over `engine`; None means "loading" until attach_engine().
+
+    `cors_origins` are the browser origins allowed to call the API; without
+    any, no CORS header is sent, so no page on another origin can read an
+    answer (and `request_body` refuses the bodies a page could send unasked).
+    An empty `api_key` is refused: it would silently turn authentication off.
+    """
+    if api_key is not None and not api_key.strip():
+        raise ValueError("an empty API key would turn authentication off; pass None for no key")
     name = model_name or (getattr(engine, "model_name", None) if engine is not None else None) or "strata"
     state = ServeState(engine=engine, model_name=name, api_key=api_key, session_dir=session_dir)
     app = FastAPI(title="Strata", version=strata.__version__, docs_url=None, redoc_url=None,
@@ -188,4 +205,7 @@ def build_app(
     routers = (openai_api.router, anthropic_api.router, slots.router)
     known |= {r.path for router in routers for r in router.routes}
     app.add_middleware(AccessMiddleware, state=state, known_paths=known)
+    if cors_origins:  # outermost, so preflights are answered before the key is asked for
+        app.add_middleware(CORSMiddleware, allow_origins=list(cors_origins), allow_methods=["GET", "POST"],
+                           allow_headers=CORS_HEADERS, max_age=600)
     return app

@@ -12,7 +12,6 @@ import math
 from typing import Any, TypeVar
 
 from pydantic import BaseModel, ValidationError
-from starlette.requests import Request
 from starlette.responses import JSONResponse
 
 from strata.errors import BadRequest, ContextTooLong, Overloaded
@@ -27,6 +26,7 @@ _ANTHROPIC_TYPES = {
     404: "not_found_error",
     405: "invalid_request_error",
     413: "request_too_large",
+    415: "invalid_request_error",
     429: "rate_limit_error",
     500: "api_error",
     503: "overloaded_error",
@@ -183,28 +183,8 @@ def refuse_unsupported(data: dict[str, Any], table: dict[str, list[Any]]) -> Non
         )
 
 
-def parse_json_object(body: bytes) -> dict[str, Any]:
-    """The request body as a JSON object, or a 400 saying what is wrong with it."""
-    if not body.strip():
-        raise ApiError(400, "The request body is empty; expected a JSON object", code="invalid_json")
-    try:
-        data = json.loads(body)
-    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-        raise ApiError(400, f"The request body is not valid JSON: {exc}", code="invalid_json") from None
-    if not isinstance(data, dict):
-        raise ApiError(400, "The request body must be a JSON object", code="invalid_json")
-    return data
-
-
 def validate_body(model: type[M], data: dict[str, Any]) -> M:
     try:
         return model.model_validate(data)
     except ValidationError as exc:
         raise from_validation_error(exc) from None
-
-
-async def read_body(request: Request, model: type[M], unsupported: dict[str, list[Any]]) -> M:
-    """A POST body as `model`: JSON parsed, known but unbuilt fields refused, then validated."""
-    data = parse_json_object(await request.body())
-    refuse_unsupported(data, unsupported)
-    return validate_body(model, data)

@@ -31,6 +31,9 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--port", type=int, default=8080, help="port to bind (default: 8080)")
     g.add_argument("--api-key", default=os.environ.get("STRATA_API_KEY"),
                    help="require 'Authorization: Bearer KEY' or 'x-api-key: KEY' (default: $STRATA_API_KEY)")
+    g.add_argument("--cors-origin", action="append", default=None, metavar="ORIGIN",
+                   help="a browser origin allowed to call the API (repeatable, e.g. "
+                        "http://localhost:3000); default: none, no CORS headers are sent")
     g.add_argument("--log-level", default="info", choices=LOG_LEVELS, help="log verbosity")
 
 
@@ -55,10 +58,19 @@ def run_server(args: argparse.Namespace) -> int:
     from strata.engine.config import config_from_args
     from strata.serve.app import attach_engine, build_app
 
+    from strata.serve.security import api_key_problem, bind_warning
+
     _configure_logging(args.log_level)
+    problem = api_key_problem(args.api_key)
+    if problem is not None:
+        log.error("strata serve: %s", problem)
+        return 2
+    warning = bind_warning(args.host, args.api_key)
+    if warning is not None:
+        log.warning("%s", warning)
     config = config_from_args(args)
     app = build_app(None, api_key=args.api_key, model_name=_model_label(config.model),
-                    session_dir=config.session_dir)
+                    session_dir=config.session_dir, cors_origins=getattr(args, "cors_origin", None))
     server = uvicorn.Server(uvicorn.Config(
         app, host=args.host, port=args.port, log_level=args.log_level, access_log=False,
         timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S, log_config=None,

@@ -15,7 +15,8 @@ from starlette.responses import JSONResponse, Response
 from strata.engine.types import StreamEvent
 from strata.serve import generation as g
 from strata.serve import openai_format as fmt
-from strata.serve.errors import ApiError, read_body
+from strata.serve.errors import ApiError
+from strata.serve.request_body import read_body
 from strata.serve.reasoning import ThinkSplitter, prompt_opens_thinking
 from strata.serve.schemas_openai import (
     COMPLETIONS_DEFAULT_MAX_TOKENS,

@@ -13,6 +13,7 @@ from typing import Annotated, Any, Literal, Union, get_args
 from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag, model_validator
 
 from strata.serve.errors import FieldError
+from strata.serve.limits import LIMITS, check_stop_strings
 
 
 class _Strict(BaseModel):
@@ -62,9 +63,9 @@ class Message(_Strict):
         if isinstance(data, dict) and isinstance(data.get("content"), list):
             for i, block in enumerate(data["content"]):
                 kind = block.get("type") if isinstance(block, dict) else None
-                if kind not in _BLOCK_TYPES:
+                if not isinstance(kind, str) or kind not in _BLOCK_TYPES:
                     raise ValueError(
-                        f"content[{i}]: block type {kind!r} is not supported (text and thinking only)"
+                        f"content[{i}]: block type {kind!r:.80} is not supported (text and thinking only)"
                     )
                 if kind != "text" and data.get("role") != "assistant":
                     raise ValueError(f"content[{i}]: {kind} blocks may only appear in assistant turns")
@@ -107,7 +108,7 @@ class Metadata(_Strict):
 
 class PromptFields(_Strict):
     model: str
-    messages: list[Message] = Field(min_length=1)
+    messages: list[Message] = Field(min_length=1, max_length=LIMITS.messages)
     system: str | list[TextBlock] | None = None
     thinking: _by_type(ThinkingEnabled, ThinkingAdaptive, ThinkingDisabled) | None = None  # type: ignore[valid-type]
     cache_control: CacheControl | None = None  # caching is automatic: every prefix is reusable
@@ -141,9 +142,7 @@ class MessagesRequest(PromptFields):
 
     @model_validator(mode="after")
     def _check(self) -> "MessagesRequest":
-        for s in self.stop_sequences or []:
-            if not s:
-                raise FieldError("stop_sequences", "stop_sequences must not contain empty strings")
+        check_stop_strings("stop_sequences", self.stop_sequences or [])
         if isinstance(self.thinking, ThinkingEnabled) and self.thinking.budget_tokens >= self.max_tokens:
             raise FieldError(
                 "thinking.budget_tokens",

@@ -13,6 +13,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from strata.serve.errors import FieldError
+from strata.serve.limits import LIMITS, check_stop_strings
 
 
 class _Strict(BaseModel):
@@ -83,9 +84,7 @@ class SamplingFields(_Strict):
     def _check_stream_and_stop(self) -> "SamplingFields":
         if self.stream_options is not None and not self.stream:
             raise FieldError("stream_options", "stream_options is only allowed when stream is true")
-        for s in self.stop_list():
-            if not s:
-                raise FieldError("stop", "stop strings must not be empty")
+        check_stop_strings("stop", self.stop_list())
         return self
 
     def stop_list(self) -> list[str]:
@@ -98,7 +97,7 @@ class SamplingFields(_Strict):
 
 
 class ChatCompletionRequest(SamplingFields):
-    messages: list[ChatMessage] = Field(min_length=1)
+    messages: list[ChatMessage] = Field(min_length=1, max_length=LIMITS.messages)
     max_completion_tokens: int | None = Field(None, ge=1)
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=20)

@@ -17,7 +17,8 @@ from fastapi import APIRouter, Request
 from starlette.responses import JSONResponse
 
 from strata.errors import SessionFileError, StrataError
-from strata.serve.errors import ApiError, from_strata_error, parse_json_object
+from strata.serve.errors import ApiError, from_strata_error
+from strata.serve.request_body import json_body, path_id
 from strata.serve.state import serve_state
 
 router = APIRouter()
@@ -28,14 +29,15 @@ BODY_FIELDS = {"filename"}
 
 def _slot_id(raw: str, lanes: int) -> int:
     """The lane index from the path; a 400 naming id_slot for anything else."""
-    if not (raw.isascii() and raw.isdigit()) or int(raw) >= lanes:
-        raise ApiError(400, f"invalid slot id {raw!r}: slots are 0..{lanes - 1}", param="id_slot",
+    lane = path_id(raw)
+    if lane is None or lane >= lanes:
+        raise ApiError(400, f"invalid slot id {raw[:32]!r}: slots are 0..{lanes - 1}", param="id_slot",
                        code="invalid_request")
-    return int(raw)
+    return lane
 
 
-def _filename(body: bytes) -> str:
-    data = parse_json_object(body)
+async def _filename(request: Request) -> str:
+    data = await json_body(request)
     unknown = sorted(set(data) - BODY_FIELDS)
     if unknown:
         raise ApiError(400, f"Unrecognized request field: '{unknown[0]}'", param=unknown[0],
@@ -103,7 +105,7 @@ async def slot_action(request: Request, id_slot: str) -> JSONResponse:
         raise ApiError(400, f"{got}: use ?action=save or ?action=restore", param="action",
                        code="invalid_request")
     lane = _slot_id(id_slot, int(engine.stats()["lanes_total"]))
-    filename = _filename(await request.body())
+    filename = await _filename(request)
     t0 = time.perf_counter()
     if action == "save":
         result = await _engine_call(engine.save_session, lane, filename)
@@ -132,12 +134,13 @@ async def conversation_action(request: Request, entry_id: str) -> JSONResponse:
     if request.query_params.get("action") != "save":
         raise ApiError(400, "use ?action=save (restore a file into a lane with /slots/{id})",
                        param="action", code="invalid_request")
-    if not (entry_id.isascii() and entry_id.isdigit()):
-        raise ApiError(400, f"invalid conversation id {entry_id!r}", param="id", code="invalid_request")
-    filename = _filename(await request.body())
+    entry = path_id(entry_id)
+    if entry is None:
+        raise ApiError(400, f"invalid conversation id {entry_id[:32]!r}", param="id", code="invalid_request")
+    filename = await _filename(request)
     t0 = time.perf_counter()
-    result = await _engine_call(engine.save_parked_session, int(entry_id), filename)
+    result = await _engine_call(engine.save_parked_session, entry, filename)
     ms = round((time.perf_counter() - t0) * 1000, 3)
-    return JSONResponse({"id": int(entry_id), "filename": result.filename,
+    return JSONResponse({"id": entry, "filename": result.filename,
                          "n_saved": result.n_tokens, "n_written": result.n_bytes,
                          "timings": {"save_ms": ms}})

@@ -151,3 +151,19 @@ def test_cancel_frees_the_lane(tiny) -> None:
         r = eng.complete(_ids(tiny, PROMPTS[1]), _greedy(4))
         assert r.completion_tokens == 4
         assert eng.stats()["lanes_busy"] == 0
+
+
+def test_an_idle_server_without_a_queue_admits_a_request(tiny) -> None:
+    """--parallel 1 --max-queued 0: a free lane is not a queue; only a second request waits."""
+    with _engine(tiny, parallel=1, max_context=64, max_queued=0) as eng:
+        assert eng.complete(_ids(tiny, PROMPTS[0]), _greedy(3)).finish_reason == FinishReason.LENGTH
+        handles = [eng.generate(_ids(tiny, PROMPTS[1]), _greedy(20)) for _ in range(2)]
+        outcomes = []
+        for h in handles:
+            try:
+                h.result()
+                outcomes.append("ok")
+            except QueueFull:
+                outcomes.append("queue_full")
+        assert sorted(outcomes) == ["ok", "queue_full"]
+        assert eng.complete(_ids(tiny, PROMPTS[2]), _greedy(3)).finish_reason == FinishReason.LENGTH

@@ -412,3 +412,27 @@ def test_top_logprobs_list_tied_tokens_in_greedy_order() -> None:
     res = sample(logits, [SamplingParams(logprobs=3)], [[]], [None])
     assert res.tokens.tolist() == [3]
     assert [t for t, _ in res.logprobs[0].top] == [3, 7, 40]
+
+
+# --- degenerate temperatures and scores ---------------------------------------
+
+
+@pytest.mark.parametrize("temperature", [1e-300, 1e-45, 1e-6, float("nan")])
+def test_tiny_temperatures_are_greedy(temperature: float) -> None:
+    logits = torch.tensor([[0.5, -3.0, 2.5, 2.4, -1.0], [-2.0, -1.0, -9.0, -0.5, -4.0]])
+    params = [SamplingParams(temperature=temperature, seed=1)] * 2
+    assert params[0].greedy
+    assert sample_rows(logits, params, seeds=[1, 2]).tokens.tolist() == [2, 3]
+
+
+def test_non_finite_scores_never_reach_the_draw() -> None:
+    inf, nan = float("inf"), float("nan")
+    scores = torch.tensor([[1.0, inf, 0.0, inf], [nan, 2.0, nan, 1.0], [nan, nan, nan, nan],
+                           [-inf, -inf, -inf, -inf]])
+    weights = filtered_weights(scores, [SamplingParams(temperature=1.0)] * 4)
+    assert torch.isfinite(weights).all()
+    assert weights[0].tolist() == [0.0, 1.0, 0.0, 1.0]
+    assert weights[1, 0] == 0 and weights[1, 1] == 1 and weights[1, 2] == 0
+    assert weights[2].tolist() == [1.0, 0.0, 0.0, 0.0] and weights[3].tolist() == [1.0, 0.0, 0.0, 0.0]
+    tokens = sample_rows(scores, [SamplingParams(temperature=0.7)] * 4, seeds=[1, 2, 3, 4]).tokens.tolist()
+    assert tokens[0] in (1, 3) and tokens[1] in (1, 3) and tokens[2:] == [0, 0]

@@ -58,7 +58,7 @@ def refused(path: Path, match: str, **kw) -> SessionFileError:
 
 def test_round_trip_is_exact(tmp_path: Path) -> None:
     path = tmp_path / "chat.session"
-    tokens, kv = save(path, extra={"lane": 2, "note": "kept"})
+    tokens, kv = save(path)
     got_tokens, got = load(path)
     assert got_tokens.tolist() == tokens and got_tokens.dtype == torch.int32
     assert len(got) == len(kv)
@@ -70,7 +70,6 @@ def test_round_trip_is_exact(tmp_path: Path) -> None:
     head = peek_session(path)
     assert (head.n_tokens, head.n_layers, head.kv_format) == (17, 3, FORMAT)
     assert head.model_identity == IDENTITY and head.version == FORMAT_VERSION
-    assert head.extra == {"lane": 2, "note": "kept"}
     assert [r.dtype for r in head.layers[0]] == ["int8", "bfloat16", "uint8", "float16", "float32"]
     assert head.layers[0][0].shape == (2, 8)
     assert path.stat().st_size > head.payload_len
@@ -83,14 +82,19 @@ def test_empty_conversation_round_trips(tmp_path: Path) -> None:
     assert len(tokens) == 0 and all(len(t) == 0 for s in kv for t in s.values())
 
 
-def test_write_is_atomic_and_replaces(tmp_path: Path) -> None:
+def test_write_is_atomic_and_replaces(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     path = tmp_path / "s"
     save(path, n=5)
     save(path, n=9)
     assert load(path)[0].numel() == 9
     assert sorted(os.listdir(tmp_path)) == ["s"]  # no temporary file left behind
-    with pytest.raises(SessionFileError, match="JSON"):
-        save(path, n=3, extra={"bad": object()})
+    def full_disk(src: object, dst: object) -> None:
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(os, "replace", full_disk)
+    with pytest.raises(SessionFileError, match="cannot write"):
+        save(path, n=3)
+    monkeypatch.undo()
     assert load(path)[0].numel() == 9 and sorted(os.listdir(tmp_path)) == ["s"]
 
 

@@ -130,3 +130,31 @@ def test_nothing_emitted_could_still_start_a_stop(case: tuple[str, list[str], li
         assert final.startswith(shown)
         if stopped is not None:
             break
+
+
+def test_memory_is_linear_in_the_stop_strings_length() -> None:
+    """A long stop string costs its length, not its length squared (every prefix kept)."""
+    import tracemalloc
+
+    stop = "ab" * 5_000 + "c"  # 10,001 characters: keeping every prefix would take ~50 MB
+    tracemalloc.start()
+    try:
+        m = StopMatcher([stop, "xyz"])
+        shown = [m.push("ab" * 100) for _ in range(60)]
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    assert peak < 1 << 20, peak
+    assert all(emit == "" and stop_ is None for emit, stop_ in shown[:50])  # all could still be the stop
+    last = m.push("c")
+    assert "".join(emit for emit, _ in shown) + last[0] == "ab" * 1_000 and last[1] == stop
+
+
+def test_long_stop_string_still_matches_across_pieces() -> None:
+    stop = "ab" * 2_000 + "c"
+    m = StopMatcher([stop])
+    text = "x" + "ab" * 3_000 + "c tail"
+    pieces = [text[i:i + 7] for i in range(0, len(text), 7)]
+    shown, stopped = run([stop], pieces)
+    assert stopped == stop and shown == "x" + "ab" * 1_000
+    assert m.push("abab") == ("", None)

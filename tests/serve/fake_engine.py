@@ -256,6 +256,15 @@ class FakeEngine:
     def restore_session(self, lane: int, filename: str) -> SessionResult:
         return self._session("restore", lane, filename)
 
+    def parked(self) -> list[dict[str, int]]:
+        return []  # the fake parks nothing
+
+    def save_parked_session(self, entry_id: int, filename: str) -> SessionResult:
+        self.session_calls.append(("save_parked", entry_id, filename))
+        if self.config.session_dir is None:
+            raise SessionFilesDisabled()
+        raise BadRequest(f"no parked conversation {entry_id}", "id")
+
     def stats(self) -> dict[str, Any]:
         busy = [h for h in self.lanes.values() if h is not None]
         used = sum(len(h.prompt_ids) + h.events_sent for h in busy)

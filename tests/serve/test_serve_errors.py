@@ -37,8 +37,10 @@ def claude_error(r: httpx.Response, status: int, kind: str) -> str:
 def test_malformed_json_both_shapes(http: httpx.Client) -> None:
     err = oai_error(http.post(CHAT, content=b'{"model": "m", "messages": [', headers={"content-type": "application/json"}), 400)
     assert "not valid JSON" in err["message"] and err["type"] == "invalid_request_error"
-    assert "not valid JSON" in claude_error(http.post(MSGS, content=b"{nope"), 400, "invalid_request_error")
-    assert "empty" in oai_error(http.post(CHAT, content=b""), 400)["message"]
+    as_json = {"content-type": "application/json"}
+    assert "not valid JSON" in claude_error(http.post(MSGS, content=b"{nope", headers=as_json), 400,
+                                            "invalid_request_error")
+    assert "empty" in oai_error(http.post(CHAT, content=b"", headers=as_json), 400)["message"]
     assert "JSON object" in oai_error(http.post(CHAT, json=[1, 2]), 400)["message"]
 
 

@@ -92,7 +92,8 @@ def test_bad_requests_name_the_field(http: httpx.Client, engine: FakeEngine, url
 
 def test_a_body_that_is_not_json_is_a_400(http: httpx.Client, engine: FakeEngine) -> None:
     engine.config.session_dir = "/sessions"
-    r = http.post("/slots/0?action=save", content=b"filename=x")
+    r = http.post("/slots/0?action=save", content=b"filename=x",
+                  headers={"content-type": "application/json"})
     assert _error(r, 400)["code"] == "invalid_json"
 
 
