@@ -17,7 +17,7 @@ from dataclasses import dataclass
 @dataclass(frozen=True)
 class Knob:
     name: str  # the environment variable
-    default: bool | int
+    default: bool | int | None  # None: a text knob, unset by default
     doc: str
 
 
@@ -41,15 +41,21 @@ KNOBS: tuple[Knob, ...] = (
          "gather launch per layer reading the pinned store in place"),
     Knob("STRATA_GATHER_PROGRAMS", 0,
          "programs of one gather launch; 0: one per multiprocessor"),
+    Knob("STRATA_API_KEY", None,
+         "the key `strata serve` requires when --api-key is not given (so it need not appear in "
+         "a process list); an empty value is refused at start-up"),
 )
 _BY_NAME = {k.name: k for k in KNOBS}
 _TRUE, _FALSE = ("1", "true", "yes", "on"), ("0", "false", "no", "off")
 
 
-def knob(name: str) -> bool | int:
-    """The value of knob `name` now: the environment's, else its default."""
+def knob(name: str) -> bool | int | str | None:
+    """The value of knob `name` now: the environment's, else its default (a text knob's value is
+    the environment's text as it is, an empty one included)."""
     k = _BY_NAME[name]
     raw = os.environ.get(name)
+    if k.default is None:
+        return raw
     if raw is None or raw.strip() == "":
         return k.default
     text = raw.strip().lower()
@@ -75,6 +81,17 @@ def flag(name: str) -> bool:
     return value
 
 
-def knob_values() -> dict[str, bool | int]:
-    """Every knob's value in effect (for `Engine.stats()`)."""
-    return {k.name: knob(k.name) for k in KNOBS}
+def text(name: str) -> str | None:
+    """A text knob's value, None where it is not set."""
+    value = knob(name)
+    assert value is None or isinstance(value, str), name
+    return value
+
+
+SECRET = ("STRATA_API_KEY",)  # shown as whether they are set, never their value
+
+
+def knob_values() -> dict[str, bool | int | str | None]:
+    """Every knob's value in effect (for `Engine.stats()`); secrets as "set" or None."""
+    return {k.name: ("set" if knob(k.name) is not None else None) if k.name in SECRET
+            else knob(k.name) for k in KNOBS}

@@ -42,7 +42,7 @@ from strata.kv.formats import K8V4Format, PlainFormat
 from strata.kv.pool import KvPool
 from strata.kv.step import SeqSpec, StepCells, cells_at, step_cells
 from strata.kv.stream import StreamedPool, StreamStore
-from strata.kv.stream_copies import Run, WriteBehind, coalesce
+from strata.kv.stream_copies import Run, coalesce
 
 try:  # planning needs neither a GPU nor Triton; the kernels do
     from strata.attention.layout import halves
@@ -147,7 +147,7 @@ class GpuStreamAttention:
         state.flush()  # the last step's K/V reach the host store before any copy out of it
         t = plan.cells.numel()
         self.tokens = t
-        state.behind = WriteBehind(plan.cells, t)
+        state.begin_step(plan.cells)
         self.stage = state.staging(self.layers * t)
         # kernel metadata, one upload (as in GpuTableAttention, but the sequences index the rows
         # of the step's translated tables)
@@ -161,12 +161,8 @@ class GpuStreamAttention:
         packed = torch.cat(parts)
         if state.cuda:
             packed = packed.pin_memory().to(store.device, non_blocking=True)
-            if self.gather:  # the copy stream reads the pairs: it waits for the upload, and
-                # the allocator keeps the buffer until the copy stream is done with it
-                state.meta_ready = torch.cuda.Event()
-                state.meta_ready.record(torch.cuda.current_stream(store.device))
-                assert state.copy_stream is not None
-                packed.record_stream(state.copy_stream)
+            if self.gather:  # the copy stream reads the pairs
+                state.metadata_uploaded(packed)
         views = packed.split([p.numel() for p in parts])
         self.tables = views[0].view(plan.tables.shape)
         self.write_rows = views[1].view(plan.write_rows.shape)
@@ -216,10 +212,7 @@ class GpuStreamAttention:
         self._write(kh, vh, self.write_rows[layer], k, v)
         sk, sv = self.stage_halves
         self._write(sk, sv, self.stage_rows[layer], k, v)
-        bh = state.behind
-        if bh is not None:
-            bh.layers.add(layer)
-            bh.dirty = True
+        state.staged(layer)
         if q.stride(-1) != 1:
             q = q.contiguous()
         out = torch.empty(q.shape, dtype=q.dtype, device=q.device)

@@ -66,6 +66,13 @@ class _Tail:
             i += 1
         return -1, k
 
+    def keep(self, state: int) -> None:
+        """The text so far was scanned without a match: remember how much of `stop` it ends with."""
+        self.state = state
+
+    def reset(self) -> None:
+        self.state = 0
+
 
 class StopMatcher:
     """Filter one request's output text against its stop strings."""
@@ -107,7 +114,7 @@ class StopMatcher:
             self._stopped = stop
             return buf[: len(buf) - len(text) + end + neg_len], stop
         for tail, state in zip(self._tails, states):
-            tail.state = state
+            tail.keep(state)
         keep = max(states)
         self._held = buf[len(buf) - keep:]
         return buf[: len(buf) - keep], None
@@ -116,5 +123,5 @@ class StopMatcher:
         """Release held-back text at the end of generation (it never became a stop string)."""
         held, self._held = self._held, ""
         for tail in self._tails:
-            tail.state = 0
+            tail.reset()
         return held

@@ -66,6 +66,16 @@ class WriteBehind:
     dirty: bool = False  # staged since the last copy to pinned memory
     event: torch.cuda.Event | None = None  # that copy's end
 
+    def stage(self, layer: int) -> None:
+        """Layer `layer`'s new K/V are in the device staging area."""
+        self.layers.add(layer)
+        self.dirty = True
+
+    def take(self) -> bool:
+        """Whether anything was staged since the last copy to pinned memory (and now it is not)."""
+        dirty, self.dirty = self.dirty, False
+        return dirty
+
 
 class StreamCopies:
     """Per store, across steps: the copy stream, events, scratch layout and write-behind buffers."""
@@ -240,6 +250,24 @@ class StreamCopies:
         self.region_read[layer % self.ring] = ev
 
     # ---- write-behind -------------------------------------------------------------
+    def begin_step(self, cells: torch.Tensor) -> None:
+        """A step whose new K/V go to the host store's `cells` [T] starts (after `flush`)."""
+        self.behind = WriteBehind(cells, cells.numel())
+
+    def staged(self, layer: int) -> None:
+        """Layer `layer` of this step wrote its new K/V into the staging area."""
+        if self.behind is not None:
+            self.behind.stage(layer)
+
+    def metadata_uploaded(self, buffer: torch.Tensor) -> None:
+        """The step's device metadata (the gather's pairs among it) was enqueued for upload on
+        the compute stream: the copy stream waits for that upload, and the allocator keeps
+        `buffer` until the copy stream is done with it."""
+        self.meta_ready = torch.cuda.Event()
+        self.meta_ready.record(torch.cuda.current_stream(self.device))
+        assert self.copy_stream is not None
+        buffer.record_stream(self.copy_stream)
+
     def staging(self, rows: int) -> Storage:
         """Device staging for `rows` new cells (all layers of a step)."""
         st = self.store
@@ -250,9 +278,8 @@ class StreamCopies:
     def send_behind(self) -> None:
         """Copy the step's staged K/V to pinned host memory (non_blocking) and mark it with an event."""
         bh = self.behind
-        if bh is None or not bh.dirty:
+        if bh is None or not bh.take():
             return
-        bh.dirty = False
         rows = (max(bh.layers) + 1) * bh.tokens
         if rows == 0:
             return

@@ -18,6 +18,8 @@ import threading
 from collections.abc import Iterator
 from typing import Any
 
+from strata.knobs import text
+
 log = logging.getLogger("strata.serve")
 
 LOG_LEVELS = ["debug", "info", "warning", "error", "critical"]
@@ -29,7 +31,7 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     g = parser.add_argument_group("server")
     g.add_argument("--host", default="127.0.0.1", help="address to bind (default: 127.0.0.1)")
     g.add_argument("--port", type=int, default=8080, help="port to bind (default: 8080)")
-    g.add_argument("--api-key", default=os.environ.get("STRATA_API_KEY"),
+    g.add_argument("--api-key", default=text("STRATA_API_KEY"),
                    help="require 'Authorization: Bearer KEY' or 'x-api-key: KEY' (default: $STRATA_API_KEY)")
     g.add_argument("--cors-origin", action="append", default=None, metavar="ORIGIN",
                    help="a browser origin allowed to call the API (repeatable, e.g. "
@@ -57,7 +59,6 @@ def run_server(args: argparse.Namespace) -> int:
     from strata.engine import Engine  # the engine package is heavy; import it only to serve
     from strata.engine.config import config_from_args
     from strata.serve.app import attach_engine, build_app
-
     from strata.serve.security import api_key_problem, bind_warning
 
     _configure_logging(args.log_level)
