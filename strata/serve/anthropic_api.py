@@ -16,17 +16,32 @@ from fastapi import APIRouter, Request
 from starlette.responses import JSONResponse, Response
 
 from strata.engine.types import FinishReason, StreamEvent
+from strata.errors import StrataError
 from strata.serve import generation as g
 from strata.serve.request_body import read_body
 from strata.serve.reasoning import ThinkSplitter, prompt_opens_thinking
 from strata.serve.schemas_anthropic import (
+    IGNORED_ANTHROPIC,
     UNSUPPORTED_MESSAGES,
     CountTokensRequest,
     MessagesRequest,
-    ThinkingEnabled,
     PromptFields,
+    ThinkingEnabled,
+    ToolResultBlock,
+    ToolUseBlock,
 )
 from strata.serve.state import ServeState, request_info, serve_state
+from strata.serve.tool_use import ChatSetup, ToolRequest, check_grammar, new_id, prepare_chat
+from strata.serve.tools import (
+    ArgsPiece,
+    CallStart,
+    TextPiece,
+    Tool,
+    ToolCall,
+    ToolStream,
+    assistant_with_calls,
+    tool_result,
+)
 
 router = APIRouter()
 
@@ -35,33 +50,84 @@ def _event(name: str, body: dict[str, Any]) -> str:
     return f"event: {name}\ndata: {json.dumps(body, ensure_ascii=False)}\n\n"
 
 
-async def _render(state: ServeState, req: PromptFields) -> tuple[str, list[int]]:
-    """The prompt text and ids: system first, earlier thinking kept for templates that use it."""
-    engine = state.ready_engine()
+def _template_messages(req: PromptFields) -> list[dict[str, Any]]:
+    """System first, then each turn; tool_use and tool_result blocks in transformers' shape.
+
+    A user turn's tool results come first (the API puts them there), each as
+    its own `tool` message; an error result says so in its text, since
+    templates have no flag for it.
+    """
     messages: list[dict[str, Any]] = []
     system = req.system_text()
     if system is not None:
         messages.append({"role": "system", "content": system})
+    names: dict[str, str] = {}
     for m in req.messages:
-        item: dict[str, Any] = {"role": m.role, "content": m.text()}
+        blocks = m.blocks()
+        results = [b for b in blocks if isinstance(b, ToolResultBlock)]
+        for r in results:
+            text = r.text()
+            messages.append(tool_result(r.tool_use_id, names.get(r.tool_use_id, ""),
+                                        f"Error: {text}" if r.is_error else text))
+        uses = [b for b in blocks if isinstance(b, ToolUseBlock)]
+        if results and not m.text():
+            continue
+        if uses:
+            calls = [ToolCall(b.id, b.name, json.dumps(b.input, ensure_ascii=False)) for b in uses]
+            names.update((c.id, c.name) for c in calls)
+            item = assistant_with_calls(m.text(), calls)
+        else:
+            item = {"role": m.role, "content": m.text()}
         thinking = m.thinking()
         if thinking is not None:
             item["reasoning_content"] = thinking
         messages.append(item)
-    kwargs: dict[str, Any] = {}
+    return messages
+
+
+def _tool_request(req: PromptFields) -> ToolRequest | None:
+    if not req.tools:
+        return None
+    tools = [Tool(t.name, t.description, t.input_schema) for t in req.tools]
+    choice = req.tool_choice
+    if choice is None:
+        return ToolRequest(tools)
+    parallel = not choice.disable_parallel_tool_use
+    if choice.type == "tool":
+        return ToolRequest(tools, "auto", choice.name, parallel)
+    return ToolRequest(tools, "required" if choice.type == "any" else choice.type, None, parallel)
+
+
+async def _render(state: ServeState, req: PromptFields) -> tuple[str, list[int], ChatSetup]:
+    """The prompt text and ids, and what the answer's parsing and grammar need."""
+    engine = state.ready_engine()
+    schema = req.output_format() if isinstance(req, MessagesRequest) else None
+    tools = _tool_request(req)
+    try:
+        setup = prepare_chat(g.tokenizer_of(engine), _template_messages(req), tools, schema,
+                             "output_config.format.schema")
+    except StrataError as exc:
+        raise g.as_api_error(exc) from None
+    if isinstance(req, MessagesRequest):
+        await check_grammar(engine, setup, "tools" if schema is None else "output_config.format")
+    kwargs: dict[str, Any] = dict(setup.template_kwargs)
     enable = req.enable_thinking()
     if enable is not None:
         kwargs["enable_thinking"] = enable
-    text = await g.render_chat(engine, messages, kwargs)
-    return text, await g.encode(engine, text, add_special_tokens=False)
+    text = await g.render_chat(engine, setup.messages, kwargs, tools=setup.template_tools)
+    return text, await g.encode(engine, text, add_special_tokens=False), setup
 
 
-def _stop_reason(event: StreamEvent) -> tuple[str, str | None]:
+def _stop_reason(event: StreamEvent, calls: bool = False) -> tuple[str, str | None]:
     if event.finish_reason == FinishReason.LENGTH:
         return "max_tokens", None
     if event.stop_string is not None:
         return "stop_sequence", event.stop_string
-    return "end_turn", None
+    return ("tool_use" if calls else "end_turn"), None
+
+
+def _tool_use(call: ToolCall) -> dict[str, Any]:
+    return {"type": "tool_use", "id": call.id, "name": call.name, "input": json.loads(call.arguments)}
 
 
 def _usage(gen: g.Generation) -> dict[str, Any]:
@@ -77,17 +143,17 @@ def _usage(gen: g.Generation) -> dict[str, Any]:
 @router.post("/v1/messages/count_tokens")
 async def count_tokens(request: Request) -> JSONResponse:
     state = serve_state(request)
-    req = await read_body(request, CountTokensRequest, UNSUPPORTED_MESSAGES)
-    _, ids = await _render(state, req)
+    req = await read_body(request, CountTokensRequest, UNSUPPORTED_MESSAGES, IGNORED_ANTHROPIC)
+    _, ids, _ = await _render(state, req)
     return JSONResponse({"input_tokens": len(ids)})
 
 
 @router.post("/v1/messages")
 async def messages(request: Request) -> Response:
     state = serve_state(request)
-    req = await read_body(request, MessagesRequest, UNSUPPORTED_MESSAGES)
+    req = await read_body(request, MessagesRequest, UNSUPPORTED_MESSAGES, IGNORED_ANTHROPIC)
     request_info(request)["user"] = req.metadata.user_id if req.metadata else None
-    prompt_text, prompt_ids = await _render(state, req)
+    prompt_text, prompt_ids, setup = await _render(state, req)
     max_tokens = g.fit_max_tokens(len(prompt_ids), req.max_tokens, state.max_context(), "max_tokens")
     params = g.sampling_params(
         max_tokens=max_tokens,
@@ -95,23 +161,28 @@ async def messages(request: Request) -> Response:
         top_p=req.top_p,
         top_k=req.top_k,
         stop=req.stop_sequences,
+        grammar=setup.grammar,
     )
     opens = prompt_opens_thinking(prompt_text)
     budget = req.thinking.budget_tokens if isinstance(req.thinking, ThinkingEnabled) else None
     gen = g.Generation.for_request(request, state, prompt_ids, params, starts_in_thinking=opens,
                                    thinking_budget=budget)
-    await g.start(request, gen)
+    await g.start(request, gen, stream=req.stream)
     mid = f"msg_{uuid.uuid4().hex[:24]}"
     splitter = ThinkSplitter(opens)
     omit = req.omit_thinking()
     if req.stream:
-        return g.sse(gen, _stream(request, gen, splitter, mid, state.model_name, omit))
+        blocks = _Blocks(omit, setup.stream(new_id("toolu_")))
+        return g.sse(gen, _stream(request, gen, splitter, mid, state, blocks))
     out = await g.collect_all(request, gen, splitter)
+    parsed = setup.parse(out.content)
     content: list[dict[str, Any]] = []
     if out.reasoning:
         content.append({"type": "thinking", "thinking": "" if omit else out.reasoning, "signature": ""})
-    content.append({"type": "text", "text": out.content})
-    reason, sequence = _stop_reason(out.final)
+    if parsed.content or not parsed.calls:
+        content.append({"type": "text", "text": parsed.content})
+    content += [_tool_use(c) for c in parsed.calls]
+    reason, sequence = _stop_reason(out.final, bool(parsed.calls))
     body: dict[str, Any] = {
         "id": mid, "type": "message", "role": "assistant", "model": state.model_name,
         "content": content, "stop_reason": reason, "stop_sequence": sequence, "usage": _usage(gen),
@@ -122,36 +193,58 @@ async def messages(request: Request) -> Response:
 
 
 class _Blocks:
-    """Opens and closes content blocks as the kind of text changes (thinking, then text)."""
+    """Opens and closes content blocks as the kind of output changes: thinking, text, tool calls."""
 
-    def __init__(self, omit_thinking: bool) -> None:
+    def __init__(self, omit_thinking: bool, tools: ToolStream | None) -> None:
         self.index = -1
         self.kind: str | None = None
         self.omit_thinking = omit_thinking  # thinking blocks are opened and closed, never filled
+        self.tools = tools
+        self.calls = 0
 
     def piece(self, kind: str, text: str) -> list[str]:
-        out: list[str] = []
-        block_type = "thinking" if kind == "reasoning" else "text"
-        if self.kind != block_type:
-            out += self.close()
-            out += self._open(block_type)
-        if block_type == "thinking":
+        if kind == "reasoning":
             if self.omit_thinking:
-                return out
-            delta = {"type": "thinking_delta", "thinking": text}
-        else:
-            delta = {"type": "text_delta", "text": text}
-        out.append(_event("content_block_delta", {"type": "content_block_delta", "index": self.index,
-                                                  "delta": delta}))
+                return self._switch("thinking")
+            return self._switch("thinking") + [self._delta({"type": "thinking_delta", "thinking": text})]
+        if self.tools is None:
+            return self._text(text)
+        return self._tool_pieces(self.tools.feed(text))
+
+    def _text(self, text: str) -> list[str]:
+        if not text:
+            return []
+        return self._switch("text") + [self._delta({"type": "text_delta", "text": text})]
+
+    def _tool_pieces(self, pieces: list[Any]) -> list[str]:
+        out: list[str] = []
+        for p in pieces:
+            if isinstance(p, TextPiece):
+                out += self._text(p.text)
+            elif isinstance(p, CallStart):
+                self.calls += 1
+                out += self.close() + self._open("tool_use", {"type": "tool_use", "id": p.id,
+                                                              "name": p.name, "input": {}})
+            elif isinstance(p, ArgsPiece):
+                out.append(self._delta({"type": "input_json_delta", "partial_json": p.fragment}))
         return out
 
-    def _open(self, block_type: str) -> list[str]:
-        self.index += 1
-        self.kind = block_type
+    def _delta(self, delta: dict[str, Any]) -> str:
+        return _event("content_block_delta", {"type": "content_block_delta", "index": self.index,
+                                              "delta": delta})
+
+    def _switch(self, block_type: str) -> list[str]:
+        if self.kind == block_type:
+            return []
         block: dict[str, Any] = (
             {"type": "thinking", "thinking": "", "signature": ""}
             if block_type == "thinking" else {"type": "text", "text": ""}
         )
+        return self.close() + self._open(block_type, block)
+
+    def _open(self, block_type: str, block: dict[str, Any]) -> list[str]:
+        self.index += 1
+        self.kind = block_type
         out = [_event("content_block_start", {"type": "content_block_start", "index": self.index,
                                               "content_block": block})]
         if self.index == 0:
@@ -166,20 +259,25 @@ class _Blocks:
 
     def finish(self) -> list[str]:
         """Close the last block; a message always has at least its (possibly empty) text block."""
-        out = self._open("text") if self.index < 0 else []
+        out = self._tool_pieces(self.tools.finish()) if self.tools is not None else []
+        if self.index < 0:
+            out += self._switch("text")
         return out + self.close()
 
 
+PING = _event("ping", {"type": "ping"})  # the API's own keep-alive; every SDK skips it
+
+
 def _stream(
-    request: Request, gen: g.Generation, splitter: ThinkSplitter, mid: str, model: str, omit: bool
+    request: Request, gen: g.Generation, splitter: ThinkSplitter, mid: str, state: ServeState,
+    blocks: _Blocks,
 ) -> AsyncIterator[str]:
     usage = _usage(gen)
     usage["output_tokens"] = 0
     head = [_event("message_start", {"type": "message_start", "message": {
-        "id": mid, "type": "message", "role": "assistant", "model": model, "content": [],
+        "id": mid, "type": "message", "role": "assistant", "model": state.model_name, "content": [],
         "stop_reason": None, "stop_sequence": None, "usage": usage,
     }})]
-    blocks = _Blocks(omit)
 
     def each(event: StreamEvent) -> Iterator[str]:
         for kind, text in g.split_event(splitter, event):
@@ -187,12 +285,13 @@ def _stream(
 
     def tail() -> list[str]:
         assert gen.final is not None
-        reason, sequence = _stop_reason(gen.final)
+        closing = blocks.finish()
+        reason, sequence = _stop_reason(gen.final, blocks.calls > 0)
         delta: dict[str, Any] = {"stop_reason": reason, "stop_sequence": sequence}
         if gen.final.truncated:
             delta["truncated"] = True
         end = {"type": "message_delta", "delta": delta, "usage": _usage(gen)}
         stop = _event("message_stop", {"type": "message_stop"})
-        return blocks.finish() + [_event("message_delta", end), stop]
+        return closing + [_event("message_delta", end), stop]
 
-    return g.event_stream(request, gen, head, each, tail)
+    return g.event_stream(request, gen, head, each, tail, beat=PING, every=state.keepalive_s)

@@ -137,6 +137,7 @@ def build_app(
     model_name: str | None = None,
     session_dir: str | None = None,
     cors_origins: list[str] | None = None,
+    keepalive_s: float = 5.0,
 ) -> FastAPI:
     """The HTTP app over `engine`; None means "loading" until attach_engine().
 
@@ -144,11 +145,14 @@ def build_app(
     any, no CORS header is sent, so no page on another origin can read an
     answer (and `request_body` refuses the bodies a page could send unasked).
     An empty `api_key` is refused: it would silently turn authentication off.
+    `keepalive_s`: a stream the engine has said nothing on for this long (queued,
+    or reading a long prompt) gets a keep-alive line.
     """
     if api_key is not None and not api_key.strip():
         raise ValueError("an empty API key would turn authentication off; pass None for no key")
     name = model_name or (getattr(engine, "model_name", None) if engine is not None else None) or "strata"
-    state = ServeState(engine=engine, model_name=name, api_key=api_key, session_dir=session_dir)
+    state = ServeState(engine=engine, model_name=name, api_key=api_key, session_dir=session_dir,
+                       keepalive_s=keepalive_s)
     app = FastAPI(title="Strata", version=strata.__version__, docs_url=None, redoc_url=None,
                   openapi_url=None)
     app.state.strata = state

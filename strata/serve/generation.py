@@ -26,7 +26,7 @@ from strata.serve.errors import ApiError, from_strata_error, sse_error_payload
 from strata.serve.metrics import ServeMetrics
 from strata.serve.reasoning import CLOSE_TAG, ThinkSplitter
 from strata.serve.state import ServeState, request_info
-from strata.serve.streaming import SSEResponse, race_disconnect
+from strata.serve.streaming import SSEResponse, race_disconnect, with_heartbeat
 
 log = logging.getLogger("strata.serve")
 
@@ -54,12 +54,16 @@ def tokenizer_of(engine: Any) -> Any:
     return tokenizer
 
 
-async def render_chat(engine: Any, messages: list[dict[str, Any]], template_kwargs: dict[str, Any]) -> str:
+async def render_chat(
+    engine: Any, messages: list[dict[str, Any]], template_kwargs: dict[str, Any], *,
+    tools: list[dict[str, Any]] | None = None, add_generation_prompt: bool = True,
+) -> str:
     """The chat template applied off the event loop; a template's complaint is the client's 400."""
     tokenizer = tokenizer_of(engine)
 
     def render() -> str:
-        return tokenizer.apply_chat_template(messages, add_generation_prompt=True, **template_kwargs)
+        return tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt,
+                                             tools=tools, **template_kwargs)
 
     try:
         return await run_in_threadpool(render)
@@ -109,9 +113,14 @@ def sampling_params(
     seed: int | None = None,
     stop: list[str] | None = None,
     logprobs: int | None = None,
+    **engine_fields: Any,
 ) -> SamplingParams:
-    """SamplingParams with the APIs' defaults (both default temperature to 1.0)."""
+    """SamplingParams with the APIs' defaults (both default temperature to 1.0).
+
+    `engine_fields` pass through as they are (grammar, min_tokens, logit_bias, ...).
+    """
     return SamplingParams(
+        **engine_fields,
         max_tokens=max_tokens,
         temperature=1.0 if temperature is None else temperature,
         top_p=1.0 if top_p is None else top_p,
@@ -158,6 +167,7 @@ class Generation:
         self._handle: Any = None
         self._iter: AsyncIterator[StreamEvent] | None = None
         self._pending: StreamEvent | None = None
+        self._first: asyncio.Future | None = None  # the first event, still on its way
         self._handle_tokens = 0
         self._base_tokens = 0  # completion tokens of earlier handles (after a forced close)
         self._last_token_time: float | None = None
@@ -175,24 +185,45 @@ class Generation:
             started=info.get("t0", time.monotonic()), **kw,
         )
 
-    async def start(self) -> None:
-        """Submit and read the first event: the engine refuses here, before any text is sent."""
-        self._pending = await self._submit(self.prompt_ids, self.params)
-        if self._pending is not None:
-            self.prompt_tokens = self._pending.prompt_tokens or self.prompt_tokens
-            self.cached_tokens = self._pending.cached_tokens
+    async def start(self, wait: float | None = None) -> None:
+        """Submit and read the first event: a refusal by then is the client's status code.
 
-    async def _submit(self, prompt_ids: list[int], params: SamplingParams) -> StreamEvent | None:
+        With `wait` (streams), the first event is awaited that long at most: a
+        refusal the engine gives at once still gets its status code, but a
+        long queue or prompt read no longer holds the response's headers back.
+        """
+        self._open(self.prompt_ids, self.params)
+        first = asyncio.ensure_future(self._next())
+        if wait is not None:
+            done, _ = await asyncio.wait({first}, timeout=wait)
+            if not done:
+                self._first = first
+                return
+        self._note_first(await first)
+
+    def _note_first(self, event: StreamEvent | None) -> None:
+        self._pending = event
+        if event is not None:
+            self.prompt_tokens = event.prompt_tokens or self.prompt_tokens
+            self.cached_tokens = event.cached_tokens
+
+    def _open(self, prompt_ids: list[int], params: SamplingParams) -> None:
         try:
             self._handle = self.engine.generate(prompt_ids, params)
             self._iter = self._handle.__aiter__()
         except Exception as exc:  # a refusal at submission (overloaded, ...) is the client's answer
             raise as_api_error(exc) from None
+
+    async def _submit(self, prompt_ids: list[int], params: SamplingParams) -> StreamEvent | None:
+        self._open(prompt_ids, params)
         return await self._next()
 
     async def events(self) -> AsyncIterator[StreamEvent]:
         """Every event to the last; raises ApiError for a failure mid-way."""
         assert self._iter is not None, "start() first"
+        if self._first is not None:  # a stream that did not wait for its first event
+            first, self._first = self._first, None
+            self._note_first(await first)
         event = self._pending
         while True:
             if event is None:
@@ -273,6 +304,9 @@ class Generation:
         """Free the engine lane now (idempotent; a finished request is left alone)."""
         if self._handle is not None and self.final is None:
             self._handle.cancel()
+        if self._first is not None:
+            self._first.cancel()
+            self._first = None
 
     def disconnected(self) -> None:
         self.cancel()
@@ -326,10 +360,16 @@ async def collect(gen: Generation, splitter: ThinkSplitter | None) -> Outcome:
     return Outcome("".join(content), "".join(reasoning), logprobs, gen.final)
 
 
-async def start(request: Any, gen: Generation) -> None:
+# How long a stream waits for the engine's first event before sending its headers: long
+# enough for a refusal at submission to keep its status code, short enough to be "at once".
+STREAM_HEAD_WAIT = 0.25
+
+
+async def start(request: Any, gen: Generation, *, stream: bool = False) -> None:
     """Submit, watching for the client leaving; the handle is released on any failure."""
     try:
-        await race_disconnect(request.receive, gen.start(), gen.disconnected)
+        wait = STREAM_HEAD_WAIT if stream else None
+        await race_disconnect(request.receive, gen.start(wait), gen.disconnected)
     except BaseException:
         gen.close()
         raise
@@ -353,16 +393,25 @@ async def event_stream(
     head: Iterable[str],
     each: Callable[[StreamEvent], Iterable[str]],
     tail: Callable[[], Iterable[str]],
+    *,
+    beat: str,
+    every: float,
 ) -> AsyncIterator[str]:
     """A streaming answer's SSE lines: head, each event's lines, then tail.
 
-    A failure mid-way ends the stream with an error event in the path's dialect
-    instead of the tail: the 200 status has already been sent.
+    `beat` is sent whenever the engine has said nothing for `every` seconds
+    (a queue or a long prompt read), so the connection stays alive. A failure
+    mid-way, a refusal after the headers included, ends the stream with an
+    error event in the path's dialect instead of the tail: the 200 status has
+    already been sent.
     """
     for line in head:
         yield line
     try:
-        async for event in gen.events():
+        async for event in with_heartbeat(gen.events(), every, lambda: beat):
+            if isinstance(event, str):
+                yield event
+                continue
             for line in each(event):
                 yield line
     except ApiError as err:

@@ -25,6 +25,9 @@ class Limits:
     stop_strings: int = 16  # stop / stop_sequences entries
     stop_chars: int = 1024  # characters of one stop string
     path_id_digits: int = 9  # a numeric id in a URL path (/slots/{id}, /conversations/{id})
+    tools: int = 128  # tool definitions of one request
+    tool_name: int = 64  # characters of a tool's name
+    logit_bias: int = 1024  # logit_bias entries
 
 
 LIMITS = Limits()  # the server's limits; a frozen value, shared read-only

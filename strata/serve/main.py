@@ -36,6 +36,9 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--cors-origin", action="append", default=None, metavar="ORIGIN",
                    help="a browser origin allowed to call the API (repeatable, e.g. "
                         "http://localhost:3000); default: none, no CORS headers are sent")
+    g.add_argument("--sse-keepalive", type=float, default=5.0, metavar="SECONDS",
+                   help="send a keep-alive on a stream the engine has been silent on this long "
+                        "(queued, or reading a long prompt); default: 5")
     g.add_argument("--log-level", default="info", choices=LOG_LEVELS, help="log verbosity")
 
 
@@ -71,7 +74,8 @@ def run_server(args: argparse.Namespace) -> int:
         log.warning("%s", warning)
     config = config_from_args(args)
     app = build_app(None, api_key=args.api_key, model_name=_model_label(config.model),
-                    session_dir=config.session_dir, cors_origins=getattr(args, "cors_origin", None))
+                    session_dir=config.session_dir, cors_origins=getattr(args, "cors_origin", None),
+                    keepalive_s=args.sse_keepalive)
     server = uvicorn.Server(uvicorn.Config(
         app, host=args.host, port=args.port, log_level=args.log_level, access_log=False,
         timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S, log_config=None,

@@ -13,6 +13,7 @@ from fastapi import APIRouter, Request
 from starlette.responses import JSONResponse, Response
 
 from strata.engine.types import StreamEvent
+from strata.errors import StrataError
 from strata.serve import generation as g
 from strata.serve import openai_format as fmt
 from strata.serve.errors import ApiError
@@ -22,31 +23,61 @@ from strata.serve.schemas_openai import (
     COMPLETIONS_DEFAULT_MAX_TOKENS,
     UNSUPPORTED_CHAT,
     UNSUPPORTED_COMPLETIONS,
+    IGNORED_OPENAI,
     ChatCompletionRequest,
     ChatMessage,
     CompletionRequest,
+    NamedToolChoice,
     SamplingFields,
 )
 from strata.serve.state import ServeState, request_info, serve_state
+from strata.serve.tool_use import ChatSetup, ToolRequest, check_grammar, new_id, prepare_chat
+from strata.serve.tools import CallStart, Tool, ToolCall, ToolStream, assistant_with_calls, tool_result
 
 router = APIRouter()
+
+KEEPALIVE = ": keep-alive\n\n"  # an SSE comment: every SDK skips it, every proxy sees traffic
 
 
 def _data(obj: dict[str, Any]) -> str:
     return f"data: {json.dumps(obj, ensure_ascii=False)}\n\n"
 
 
-def _template_message(m: ChatMessage) -> dict[str, Any]:
-    """What chat templates expect: developer instructions are system instructions to them."""
-    out: dict[str, Any] = {"role": "system" if m.role == "developer" else m.role, "content": m.text()}
-    if m.name is not None:
-        out["name"] = m.name
-    if m.reasoning_content is not None:
-        out["reasoning_content"] = m.reasoning_content
+def _template_messages(messages: list[ChatMessage]) -> list[dict[str, Any]]:
+    """What chat templates expect (transformers' conventions for tool calls and results)."""
+    names: dict[str, str] = {}  # call id -> tool name, for results that do not repeat it
+    out: list[dict[str, Any]] = []
+    for m in messages:
+        if m.role == "tool":
+            assert m.tool_call_id is not None
+            out.append(tool_result(m.tool_call_id, m.name or names.get(m.tool_call_id, ""), m.text()))
+            continue
+        item: dict[str, Any] = {"role": "system" if m.role == "developer" else m.role, "content": m.text()}
+        if m.tool_calls:
+            calls = [ToolCall(c.id, c.function.name, c.function.arguments) for c in m.tool_calls]
+            names.update((c.id, c.name) for c in calls)
+            item = assistant_with_calls(m.text(), calls)
+        if m.name is not None:
+            item["name"] = m.name
+        if m.reasoning_content is not None:
+            item["reasoning_content"] = m.reasoning_content
+        out.append(item)
     return out
 
 
-def _params(req: SamplingFields, max_tokens: int, logprobs: int | None) -> Any:
+def _tool_request(req: ChatCompletionRequest) -> ToolRequest | None:
+    if not req.tools:
+        return None
+    tools = [Tool(t.function.name, t.function.description, t.function.parameters or {"type": "object"})
+             for t in req.tools]
+    choice = req.tool_choice
+    parallel = req.parallel_tool_calls is not False
+    if isinstance(choice, NamedToolChoice):
+        return ToolRequest(tools, "auto", choice.function.name, parallel)
+    return ToolRequest(tools, choice or "auto", None, parallel)
+
+
+def _params(req: SamplingFields, max_tokens: int, logprobs: int | None, grammar: str | None = None) -> Any:
     return g.sampling_params(
         max_tokens=max_tokens,
         temperature=req.temperature,
@@ -59,6 +90,12 @@ def _params(req: SamplingFields, max_tokens: int, logprobs: int | None) -> Any:
         seed=req.seed,
         stop=req.stop_list(),
         logprobs=logprobs,
+        grammar=grammar,
+        min_tokens=req.min_tokens,
+        ignore_eos=req.ignore_eos,
+        stop_token_ids=list(req.stop_token_ids or []),
+        logit_bias={int(k): v for k, v in (req.logit_bias or {}).items()},
+        progress=req.return_progress,
     )
 
 
@@ -87,6 +124,10 @@ class _Reply:
             body["usage"] = None
         return _data(body)
 
+    def extra(self, fields: dict[str, Any]) -> str:
+        """A chunk with no choices that carries `fields` (llama.cpp's prompt_progress)."""
+        return _data({**self._head(), "system_fingerprint": None, "choices": [], **fields})
+
     def tail(self, gen: g.Generation) -> list[str]:
         """A stream's closing lines after a good end: the usage chunk if asked for, then [DONE]."""
         if not self.include_usage:
@@ -96,64 +137,124 @@ class _Reply:
 
 
 def _choice(
-    fields: dict[str, Any], logprobs: Any, final: StreamEvent | None = None
+    fields: dict[str, Any], logprobs: Any, final: StreamEvent | None = None, calls: bool = False
 ) -> dict[str, Any]:
     """The one choice (n=1) around `fields`; finish fields once `final`, the last event, is in."""
     if final is None:
         return {"index": 0, **fields, "logprobs": logprobs, "finish_reason": None}
-    return {"index": 0, **fields, "logprobs": logprobs, "finish_reason": fmt.finish_reason(final),
+    reason = fmt.finish_reason(final)
+    return {"index": 0, **fields, "logprobs": logprobs,
+            "finish_reason": "tool_calls" if calls and reason == "stop" else reason,
             **fmt.chat_choice_extra(final)}
+
+
+def _with_stop_string(event: StreamEvent, include: bool) -> StreamEvent:
+    """vLLM's include_stop_str_in_output: the stop string that ended the answer is part of it."""
+    if include and event.stop_string is not None:
+        return dataclasses.replace(event, text=event.text + event.stop_string)
+    return event
+
+
+async def _chat_setup(engine: Any, req: ChatCompletionRequest) -> ChatSetup:
+    schema = req.response_format.answer_schema() if req.response_format is not None else None
+    param = "tools" if _tool_request(req) is not None and schema is None else "response_format"
+    try:
+        setup = prepare_chat(g.tokenizer_of(engine), _template_messages(req.messages), _tool_request(req),
+                             schema, "response_format.json_schema")
+    except StrataError as exc:
+        raise g.as_api_error(exc) from None
+    await check_grammar(engine, setup, param)
+    return setup
 
 
 @router.post("/v1/chat/completions")
 async def chat_completions(request: Request) -> Response:
     state = serve_state(request)
-    req = await read_body(request, ChatCompletionRequest, UNSUPPORTED_CHAT)
+    req = await read_body(request, ChatCompletionRequest, UNSUPPORTED_CHAT, IGNORED_OPENAI)
     engine = state.ready_engine()
     request_info(request)["user"] = req.user
-    messages = [_template_message(m) for m in req.messages]
-    prompt_text = await g.render_chat(engine, messages, req.chat_template_kwargs or {})
+    setup = await _chat_setup(engine, req)
+    kwargs = {**setup.template_kwargs, **(req.chat_template_kwargs or {})}
+    prompt_text = await g.render_chat(engine, setup.messages, kwargs, tools=setup.template_tools,
+                                      add_generation_prompt=req.add_generation_prompt)
     prompt_ids = await g.encode(engine, prompt_text, add_special_tokens=False)
     field = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
     max_tokens = g.fit_max_tokens(len(prompt_ids), req.wanted_max_tokens(), state.max_context(), field)
     top = req.top_logprobs or 0
-    params = _params(req, max_tokens, req.wanted_logprobs())
+    params = _params(req, max_tokens, req.wanted_logprobs(), setup.grammar)
     gen = g.Generation.for_request(request, state, prompt_ids, params)
     splitter = ThinkSplitter(prompt_opens_thinking(prompt_text))
-    await g.start(request, gen)
+    await g.start(request, gen, stream=req.stream)
     kind = "chat.completion.chunk" if req.stream else "chat.completion"
     reply = _Reply(f"chatcmpl-{uuid.uuid4().hex}", kind, int(time.time()), state.model_name,
                    req.include_usage())
     if req.stream:
-        return g.sse(gen, _chat_stream(request, gen, splitter, reply, req.logprobs, top))
+        chunks = _ChatChunks(reply, setup.stream(new_id("call_")), req, top)
+        return g.sse(gen, g.event_stream(request, gen, [chunks.head()], lambda e: chunks.each(splitter, e),
+                                         lambda: reply.tail(gen), beat=KEEPALIVE, every=state.keepalive_s))
     out = await g.collect_all(request, gen, splitter)
-    message: dict[str, Any] = {"role": "assistant", "content": out.content, "refusal": None}
+    stop = out.final.stop_string if req.include_stop_str_in_output else None
+    parsed = setup.parse(out.content + (stop or ""))
+    message: dict[str, Any] = {"role": "assistant", "content": parsed.content, "refusal": None}
+    if parsed.calls:
+        message["content"] = parsed.content or None
+        message["tool_calls"] = [fmt.tool_call(c) for c in parsed.calls]
     if out.reasoning:
         message["reasoning_content"] = out.reasoning
     lps = fmt.chat_logprobs(out.logprobs, top) if req.logprobs else None
-    return reply.response(_choice({"message": message}, lps, out.final), gen)
+    return reply.response(_choice({"message": message}, lps, out.final, bool(parsed.calls)), gen)
 
 
-def _chat_stream(
-    request: Request, gen: g.Generation, splitter: ThinkSplitter, reply: _Reply, logprobs: bool,
-    top: int,
-) -> AsyncIterator[str]:
-    def chunk(delta: dict[str, Any], lps: Any = None, final: StreamEvent | None = None) -> str:
-        return reply.chunk(_choice({"delta": delta}, lps, final))
+class _ChatChunks:
+    """The chunks of one streamed chat answer: reasoning, content and tool-call deltas."""
 
-    def each(event: StreamEvent) -> Iterator[str]:
-        lps = fmt.chat_logprobs(event.logprobs, top) if logprobs and event.logprobs else None
+    def __init__(self, reply: _Reply, tools: ToolStream | None, req: ChatCompletionRequest, top: int) -> None:
+        self.reply = reply
+        self.tools = tools
+        self.req = req
+        self.top = top
+        self.calls = 0
+        self.started = time.monotonic()
+
+    def chunk(self, delta: dict[str, Any], lps: Any = None, final: StreamEvent | None = None) -> str:
+        return self.reply.chunk(_choice({"delta": delta}, lps, final, self.calls > 0))
+
+    def head(self) -> str:
+        return self.chunk({"role": "assistant", "content": ""})
+
+    def _content(self, text: str, end: bool) -> list[dict[str, Any]]:
+        if self.tools is None:
+            return [{"content": text}] if text else []
+        pieces = self.tools.feed(text) + (self.tools.finish() if end else [])
+        deltas = []
+        for piece in pieces:
+            delta = fmt.tool_delta(piece)
+            if isinstance(piece, CallStart):
+                self.calls += 1
+            if delta is not None:
+                deltas.append(delta)
+        return deltas
+
+    def each(self, splitter: ThinkSplitter, event: StreamEvent) -> Iterator[str]:
+        if event.progress is not None:
+            if self.req.return_progress:
+                yield self.reply.extra({"prompt_progress": fmt.prompt_progress(event.progress, self.started)})
+            return
+        event = _with_stop_string(event, self.req.include_stop_str_in_output)
+        end = event.finish_reason is not None
+        lps = fmt.chat_logprobs(event.logprobs, self.top) if self.req.logprobs and event.logprobs else None
+        deltas: list[dict[str, Any]] = []
         for kind, text in g.split_event(splitter, event):
-            key = "reasoning_content" if kind == "reasoning" else "content"
-            yield chunk({key: text}, lps)
+            deltas += [{"reasoning_content": text}] if kind == "reasoning" else self._content(text, False)
+        if end:
+            deltas += self._content("", True)
+        for delta in deltas:
+            yield self.chunk(delta, lps)
             lps = None
         if lps is not None:  # logprobs of tokens whose text is still held back
-            yield chunk({"content": ""}, lps)
-        if event.finish_reason is not None:
-            yield chunk({}, final=event)
-
-    head = [chunk({"role": "assistant", "content": ""})]
-    return g.event_stream(request, gen, head, each, lambda: reply.tail(gen))
+            yield self.chunk({"content": ""}, lps)
+        if end:
+            yield self.chunk({}, final=event)
 
 
 async def _completion_prompt(state: ServeState, req: CompletionRequest) -> list[int]:
@@ -173,31 +274,39 @@ async def _completion_prompt(state: ServeState, req: CompletionRequest) -> list[
 @router.post("/v1/completions")
 async def completions(request: Request) -> Response:
     state = serve_state(request)
-    req = await read_body(request, CompletionRequest, UNSUPPORTED_COMPLETIONS)
+    req = await read_body(request, CompletionRequest, UNSUPPORTED_COMPLETIONS, IGNORED_OPENAI)
     request_info(request)["user"] = req.user
     prompt_ids = await _completion_prompt(state, req)
     wanted = req.max_tokens if req.max_tokens is not None else COMPLETIONS_DEFAULT_MAX_TOKENS
     max_tokens = g.fit_max_tokens(len(prompt_ids), wanted, state.max_context(), "max_tokens")
     params = _params(req, max_tokens, req.logprobs)
     gen = g.Generation.for_request(request, state, prompt_ids, params)
-    await g.start(request, gen)
+    await g.start(request, gen, stream=req.stream)
     reply = _Reply(f"cmpl-{uuid.uuid4().hex}", "text_completion", int(time.time()),
                    state.model_name, req.include_usage())
     top = req.logprobs or 0
     if req.stream:
-        return g.sse(gen, _completion_stream(request, gen, reply, req.logprobs is not None, top))
+        return g.sse(gen, _completion_stream(request, gen, reply, req, top, state.keepalive_s))
     out = await g.collect_all(request, gen, None)
     lps = fmt.completion_logprobs(out.logprobs, top) if req.logprobs is not None else None
-    return reply.response(_choice({"text": out.content}, lps, out.final), gen)
+    stop = out.final.stop_string if req.include_stop_str_in_output else None
+    return reply.response(_choice({"text": out.content + (stop or "")}, lps, out.final), gen)
 
 
 def _completion_stream(
-    request: Request, gen: g.Generation, reply: _Reply, logprobs: bool, top: int
+    request: Request, gen: g.Generation, reply: _Reply, req: CompletionRequest, top: int, every: float
 ) -> AsyncIterator[str]:
     offset = 0  # of the next token in the whole completion's text, for text_offset
+    logprobs = req.logprobs is not None
+    started = time.monotonic()
 
     def each(event: StreamEvent) -> Iterator[str]:
         nonlocal offset
+        if event.progress is not None:
+            if req.return_progress:
+                yield reply.extra({"prompt_progress": fmt.prompt_progress(event.progress, started)})
+            return
+        event = _with_stop_string(event, req.include_stop_str_in_output)
         lps = fmt.completion_logprobs(event.logprobs, top, offset) if logprobs else None
         offset += sum(len(lp.text) for lp in event.logprobs)
         if event.text or lps and lps["tokens"]:
@@ -205,7 +314,7 @@ def _completion_stream(
         if event.finish_reason is not None:
             yield reply.chunk(_choice({"text": ""}, None, event))
 
-    return g.event_stream(request, gen, [], each, lambda: reply.tail(gen))
+    return g.event_stream(request, gen, [], each, lambda: reply.tail(gen), beat=KEEPALIVE, every=every)
 
 
 def _model_card(state: ServeState) -> dict[str, Any]:

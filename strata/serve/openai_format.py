@@ -7,10 +7,12 @@ SDK's models in one place.
 from __future__ import annotations
 
 import math
+import time
 from typing import Any
 
-from strata.engine.types import FinishReason, StreamEvent, TokenLogprob
+from strata.engine.types import FinishReason, PromptProgress, StreamEvent, TokenLogprob
 from strata.serve.generation import Generation
+from strata.serve.tools import ArgsPiece, CallStart, TextPiece, ToolCall
 
 # OpenAI's stand-in for -inf: JSON has no infinities.
 MIN_LOGPROB = -9999.0
@@ -74,3 +76,26 @@ def completion_logprobs(items: list[TokenLogprob], top: int, offset: int = 0) ->
 def chat_choice_extra(event: StreamEvent) -> dict[str, Any]:
     """Fields added to a choice beyond OpenAI's: the lane could not grow."""
     return {"truncated": True} if event.truncated else {}
+
+
+def tool_call(call: ToolCall) -> dict[str, Any]:
+    """A whole call in `message.tool_calls`: arguments stay JSON text, as the API has them."""
+    return {"id": call.id, "type": "function", "function": {"name": call.name, "arguments": call.arguments}}
+
+
+def tool_delta(piece: Any) -> dict[str, Any] | None:
+    """A streamed piece as a chunk's delta, in the shape the SDK accumulates per call index."""
+    if isinstance(piece, TextPiece):
+        return {"content": piece.text} if piece.text else None
+    if isinstance(piece, CallStart):
+        return {"tool_calls": [{"index": piece.index, "id": piece.id, "type": "function",
+                                "function": {"name": piece.name, "arguments": ""}}]}
+    if isinstance(piece, ArgsPiece):
+        return {"tool_calls": [{"index": piece.index, "function": {"arguments": piece.fragment}}]}
+    raise TypeError(f"not a tool stream piece: {piece!r}")
+
+
+def prompt_progress(progress: PromptProgress, started: float) -> dict[str, Any]:
+    """llama.cpp's prompt_progress: tokens of the prompt, reused from cache, read so far."""
+    return {"total": progress.total, "cache": progress.cached, "processed": progress.processed,
+            "time_ms": round((time.monotonic() - started) * 1000, 1)}

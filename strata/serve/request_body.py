@@ -23,6 +23,7 @@ Each refusal is an ApiError naming the field (`messages[0].content`).
 from __future__ import annotations
 
 import json
+import logging
 import math
 import re
 from typing import Any, TypeVar
@@ -32,6 +33,8 @@ from starlette.requests import Request
 
 from strata.serve.errors import ApiError, refuse_unsupported, validate_body
 from strata.serve.limits import LIMITS, Limits
+
+log = logging.getLogger("strata.serve")
 
 _Path = tuple[Any, ...] | None  # a linked path (parent, key): built into text only on an error
 _WS = re.compile(r"[ \t\n\r]*")
@@ -226,8 +229,20 @@ def path_id(raw: str, limits: Limits = LIMITS) -> int | None:
     return None
 
 
-async def read_body(request: Request, model: type[M], unsupported: dict[str, list[Any]]) -> M:
-    """A POST body as `model`: checked JSON, known but unbuilt fields refused, then validated."""
+async def read_body(
+    request: Request, model: type[M], unsupported: dict[str, list[Any]],
+    ignored: frozenset[str] = frozenset(),
+) -> M:
+    """A POST body as `model`: checked JSON, known but unbuilt fields refused, then validated.
+
+    `ignored` fields cannot change the answer (bookkeeping, scheduling hints):
+    they are dropped with one debug line, so clients that always send them work.
+    """
     data = await json_body(request)
+    dropped = sorted(name for name in ignored if name in data)
+    if dropped:
+        for name in dropped:
+            del data[name]
+        log.debug("%s: ignoring %s", request.url.path, ", ".join(dropped))
     refuse_unsupported(data, unsupported)
     return validate_body(model, data)

@@ -26,6 +26,7 @@ class ServeState:
     api_key: str | None = None
     session_dir: str | None = None  # the engine's --session-dir (the engine enforces it)
     load_error: str | None = None
+    keepalive_s: float = 5.0  # a stream silent this long gets a keep-alive (a long prompt read)
     started: float = field(default_factory=time.time)
     metrics: ServeMetrics = field(init=False)
 

@@ -56,6 +56,40 @@ async def race_disconnect(
     raise ClientDisconnected()
 
 
+async def with_heartbeat(
+    events: AsyncIterator[T], every: float, beat: Callable[[], str]
+) -> AsyncIterator[T | str]:
+    """`events`, with `beat()` yielded whenever nothing came for `every` seconds.
+
+    A stream waiting on a long prompt read sends nothing for minutes; proxies
+    and SDK read timeouts give up on a silent connection long before that.
+    The pending read is never cancelled by a beat, only by the end of the stream.
+    """
+    it = events.__aiter__()
+    pending: asyncio.Future | None = None
+    try:
+        while True:
+            if pending is None:
+                pending = asyncio.ensure_future(it.__anext__())
+            done, _ = await asyncio.wait({pending}, timeout=every)
+            if not done:
+                yield beat()
+                continue
+            task, pending = pending, None
+            try:
+                item = task.result()
+            except StopAsyncIteration:
+                return
+            yield item
+    finally:
+        if pending is not None:
+            pending.cancel()
+            try:
+                await pending
+            except BaseException:  # the read's own end no longer matters
+                pass
+
+
 class SSEResponse(Response):
     """A text/event-stream response whose producer is cancelled when the client leaves.
 

@@ -20,7 +20,7 @@ from typing import Any, ClassVar
 
 from strata.engine.config import EngineConfig
 from strata.engine.sessions import SessionFilesDisabled, SessionResult
-from strata.engine.types import FinishReason, SamplingParams, StreamEvent, TokenLogprob
+from strata.engine.types import FinishReason, PromptProgress, SamplingParams, StreamEvent, TokenLogprob
 from strata.errors import BadRequest
 
 BOS, EOS = 1, 2
@@ -93,6 +93,7 @@ class FakeHandle:
     async def __aiter__(self) -> AsyncIterator[StreamEvent]:
         eng, p = self.engine, self.params
         if eng.refuse is not None:
+            await asyncio.sleep(eng.refuse_delay)  # > the server's head wait: refused after the headers
             eng.refusals += 1
             raise eng.refuse
         prompt = eng.tokenizer.decode(self.prompt_ids)
@@ -103,6 +104,13 @@ class FakeHandle:
         full = reply_for(prompt, p) if eng.reply is None else eng.reply
         lane = eng.take_lane(self)
         try:
+            if p.progress:  # the prompt read in two halves
+                total = len(self.prompt_ids)
+                for done in (cached, (cached + total) // 2):
+                    yield StreamEvent(text="", token_ids=[], prompt_tokens=total, cached_tokens=cached,
+                                      progress=PromptProgress(total, cached, done))
+            if eng.prompt_delay:
+                await asyncio.sleep(eng.prompt_delay)
             async for ev in self._run(full, cached):
                 yield ev
         finally:
@@ -181,6 +189,19 @@ def _held(text: str, stops: list[str]) -> int:
     return held
 
 
+class FakeGrammars:
+    """Records the grammars the server checks; `bad` makes the next check fail like the real one."""
+
+    def __init__(self) -> None:
+        self.checked: list[tuple[str, str]] = []
+        self.bad: str | None = None
+
+    def check(self, grammar: str, param: str) -> None:
+        self.checked.append((grammar, param))
+        if self.bad is not None:
+            raise BadRequest(self.bad, param)
+
+
 class FakeEngine:
     """Implements generate/stats/close/tokenizer/config/model_name like strata.engine.Engine."""
 
@@ -199,7 +220,10 @@ class FakeEngine:
         self.fail_after: int | None = None
         self.truncate_after: int | None = None
         self.delay = 0.0
+        self.prompt_delay = 0.0  # seconds "reading the prompt" before the first token
+        self.refuse_delay = 0.0
         self.reply: str | None = None
+        self.grammars = FakeGrammars()
         self.calls: list[tuple[list[int], SamplingParams]] = []
         self.cancels: list[FakeHandle] = []
         self.seen: list[list[int]] = []

@@ -14,6 +14,7 @@ import sys
 import time
 from pathlib import Path
 
+import anthropic
 import httpx
 import openai
 from conftest import free_port
@@ -66,3 +67,9 @@ class ServeProcess:
 
     def oai(self) -> openai.OpenAI:
         return openai.OpenAI(base_url=f"{self.url}/v1", api_key="x", max_retries=0, timeout=120)
+
+    def claude(self) -> anthropic.Anthropic:
+        return anthropic.Anthropic(base_url=self.url, api_key="x", max_retries=0, timeout=120)
+
+    def http(self) -> httpx.Client:
+        return httpx.Client(base_url=self.url, timeout=120)
