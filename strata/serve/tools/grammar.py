@@ -1,9 +1,12 @@
 """Building blocks of call grammars in llguidance's Lark dialect.
 
-Markers that are single special tokens of the model must be written as that
-token (`<[id]>`): llguidance treats every added token as special, so a
-quoted literal would only let the model spell the marker out in plain text
-tokens, which it was never trained to do. Everything else is a literal.
+Markers that llguidance sees as one special token of the model must be
+written as that token (`<[id]>`): a quoted literal only matches text bytes,
+so it would make the model spell the marker out in ordinary tokens, which it
+was never trained to do. Which added tokens count as special is llguidance's
+call (those flagged special, and also unflagged ones shaped like `<...>`,
+such as Qwen's <tool_call>), so `special_ids_for` asks its tokenizer.
+Everything else is a literal.
 Arguments are inline `%json` schemas without free whitespace, so the model
 writes them the way the chat template showed it (`json.dumps` separators).
 """
