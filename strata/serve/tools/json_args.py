@@ -132,6 +132,7 @@ class JsonArgs:
         if not _NUMBER.fullmatch(self._token):
             return False
         self._value_done()
+        self._mark_safe()  # the number ends here, whatever `c` turns out to be
         return self._step(c)
 
     def _literal_char(self, c: str) -> bool:
