@@ -30,7 +30,9 @@ def plain_messages(messages: Sequence[Mapping[str, Any]]) -> list[dict[str, Any]
     return out
 
 
-def with_instruction(messages: Sequence[Mapping[str, Any]], instruction: str) -> list[dict[str, Any]]:
+def with_instruction(
+    messages: Sequence[Mapping[str, Any]], instruction: str
+) -> list[dict[str, Any]]:
     """`instruction` before an opening system message's text, or as a new system message."""
     out = [dict(m) for m in messages]
     if out and out[0].get("role") == "system" and isinstance(out[0].get("content"), str):

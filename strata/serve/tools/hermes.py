@@ -64,4 +64,5 @@ class HermesFormat(SyntaxFormat):
 def call_text(name: str, arguments: Any) -> str:
     """One call written out as a Hermes model writes it (arguments: object or JSON text)."""
     args = arguments if isinstance(arguments, str) else json.dumps(arguments, ensure_ascii=False)
-    return f'{OPEN}\n{{"name": {json.dumps(name, ensure_ascii=False)}, "arguments": {args}}}\n{CLOSE}'
+    quoted = json.dumps(name, ensure_ascii=False)
+    return f'{OPEN}\n{{"name": {quoted}, "arguments": {args}}}\n{CLOSE}'

@@ -19,7 +19,8 @@ from strata.serve.tools.syntax_format import SyntaxFormat
 from strata.serve.tools.types import Tool
 
 PYTHON_TAG = "<|python_tag|>"
-_KEYS = ("parameters", "arguments")  # the template teaches "parameters"; some fine-tunes say "arguments"
+# The template teaches "parameters"; some fine-tunes write "arguments".
+_KEYS = ("parameters", "arguments")
 _TRAILER = ((Ws(), lit("}")),)
 _NEXT = (Follow((Ws(), lit(";")), "call"),)
 

@@ -25,6 +25,7 @@ from strata.serve.tools.types import Tool
 
 TOOL_CALLS = "[TOOL_CALLS]"
 ARGS = "[ARGS]"
+_ITEM = braced_header(("arguments",))
 _ITEM_TRAILER = ((Ws(), lit("}")),)
 _ITEM_FOLLOW = (Follow((Ws(), lit(",")), "item"), Follow((Ws(), lit("]")), None))
 _MISTRAL_ID = re.compile(r"[A-Za-z0-9]{9}")
@@ -32,8 +33,8 @@ _MISTRAL_ID = re.compile(r"[A-Za-z0-9]{9}")
 SYNTAX = Syntax(
     openers={TOOL_CALLS: ("array", "named")},
     shapes={
-        "array": Shape((Ws(), lit("[")) + braced_header(("arguments",)), _ITEM_TRAILER, _ITEM_FOLLOW),
-        "item": Shape(braced_header(("arguments",)), _ITEM_TRAILER, _ITEM_FOLLOW),
+        "array": Shape((Ws(), lit("[")) + _ITEM, _ITEM_TRAILER, _ITEM_FOLLOW),
+        "item": Shape(_ITEM, _ITEM_TRAILER, _ITEM_FOLLOW),
         "named": Shape((Ws(), BareName(), Opt(ARGS), Ws(), lit("{"))),
     },
     anywhere=True,

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from typing import Literal, Union
 
 WHITESPACE = " \t\n\r"
+MAX_NAME = 256  # longer is no tool name; the bound keeps re-reading a failed header cheap
 _NAME_CHARS = frozenset("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789_-.")
 
 
@@ -99,7 +100,7 @@ class Matcher:
         if isinstance(step, Lit):
             return self._literal(step.options, c)
         if isinstance(step, BareName):
-            if c in _NAME_CHARS:
+            if c in _NAME_CHARS and len(self._part) < MAX_NAME:
                 self._part += c
                 return "more"
             if not self._part:
@@ -121,7 +122,7 @@ class Matcher:
                 return "fail"
             self._part = c
             return "more"
-        if ord(c) < 0x20:
+        if ord(c) < 0x20 or len(self._part) > MAX_NAME:
             return "fail"
         self._part += c
         if self._escaped:

@@ -63,11 +63,31 @@ def named(name: str, args: str) -> str:
 
 # format, one call, two calls, a bad call of the right shape
 CASES = [
-    (HermesFormat(), hermes("get_weather", PARIS), hermes("get_weather", PARIS) + "\n" + hermes("get_time", "{}")),
-    (GenericFormat(), hermes("get_time", '{"tz": [1, null]}'), hermes("get_time", "{}") + "\n" + hermes("get_weather", ZURICH)),
-    (Llama3JsonFormat(), llama("get_weather", ZURICH), llama("get_weather", PARIS) + "; " + llama("get_time", "{}")),
-    (MistralFormat(named_calls=False), mistral(("get_weather", PARIS)), mistral(("get_weather", PARIS), ("get_time", "{}"))),
-    (MistralFormat(named_calls=True), named("get_weather", ZURICH), named("get_time", "{}") + named("get_weather", PARIS)),
+    (
+        HermesFormat(),
+        hermes("get_weather", PARIS),
+        hermes("get_weather", PARIS) + "\n" + hermes("get_time", "{}"),
+    ),
+    (
+        GenericFormat(),
+        hermes("get_time", '{"tz": [1, null]}'),
+        hermes("get_time", "{}") + "\n" + hermes("get_weather", ZURICH),
+    ),
+    (
+        Llama3JsonFormat(),
+        llama("get_weather", ZURICH),
+        llama("get_weather", PARIS) + "; " + llama("get_time", "{}"),
+    ),
+    (
+        MistralFormat(named_calls=False),
+        mistral(("get_weather", PARIS)),
+        mistral(("get_weather", PARIS), ("get_time", "{}")),
+    ),
+    (
+        MistralFormat(named_calls=True),
+        named("get_weather", ZURICH),
+        named("get_time", "{}") + named("get_weather", PARIS),
+    ),
 ]
 BAD_ARGS = [
     '{"days": 2}',  # city is required
@@ -145,9 +165,11 @@ def test_only_a_call_is_accepted(smol, smol_ll, text: str) -> None:
 
 
 def test_tool_names_and_schemas_are_escaped(smol, smol_ll) -> None:
-    odd = Tool('we"ird\\näme', None, {"properties": {"q": {"type": "string", "pattern": "^a}\"$"}}})
+    schema = {"properties": {"q": {"type": "string", "pattern": "^a}\"$"}}}
+    odd = Tool('we"ird\\näme', None, schema)
     lark = Llama3JsonFormat().call_grammar([odd], parallel=False, special_ids={})
-    text = '{"name": ' + json.dumps(odd.name, ensure_ascii=False) + ', "parameters": {"q": "a}\\""}}'
+    name = json.dumps(odd.name, ensure_ascii=False)
+    text = '{"name": ' + name + ', "parameters": {"q": "a}\\""}}'
     assert accepts(matcher(smol_ll, lark), smol.encode(text))
 
 
@@ -194,7 +216,9 @@ def test_special_ids_are_found_for_the_markers(smol_ll, marked) -> None:
     ],
     ids=["hermes", "mistral", "mistral named"],
 )
-def test_special_markers_are_written_as_their_token(smol, marked, fmt: ToolFormat, text: str) -> None:
+def test_special_markers_are_written_as_their_token(
+    smol, marked, fmt: ToolFormat, text: str
+) -> None:
     backend, tokenizer = marked
     special = special_ids_for(fmt.markers, tokenizer)
     assert set(special) == set(fmt.markers)

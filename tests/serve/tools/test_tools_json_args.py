@@ -10,10 +10,12 @@ from hypothesis import strategies as st
 
 from strata.serve.tools.json_args import JsonArgs
 
-SCALARS = st.none() | st.booleans() | st.integers() | st.floats(allow_nan=False, allow_infinity=False) | st.text()
+FLOATS = st.floats(allow_nan=False, allow_infinity=False)
+SCALARS = st.none() | st.booleans() | st.integers() | FLOATS | st.text()
 VALUES = st.recursive(
     SCALARS,
-    lambda inner: st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=5), inner, max_size=4),
+    lambda inner: st.lists(inner, max_size=4)
+    | st.dictionaries(st.text(max_size=5), inner, max_size=4),
     max_leaves=12,
 )
 OBJECTS = st.dictionaries(st.text(max_size=5), VALUES, max_size=5)

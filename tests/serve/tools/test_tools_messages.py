@@ -88,7 +88,8 @@ def test_instruction_describes_every_tool() -> None:
     text = instruction([WEATHER, CLOCK])
     for tool in template_tools([WEATHER, CLOCK]):
         assert json.dumps(tool, ensure_ascii=False) in text
-    assert '<tool_call>\n{"name": "<tool name>", "arguments": {<arguments as JSON>}}\n</tool_call>' in text
+    shown = '{"name": "<tool name>", "arguments": {<arguments as JSON>}}'
+    assert f"<tool_call>\n{shown}\n</tool_call>" in text
 
 
 def test_instruction_goes_first_in_the_system_message() -> None:

@@ -59,9 +59,28 @@ def test_named_mistral_form_is_read_by_either_variant() -> None:
 
 @pytest.mark.parametrize(
     "text",
-    ["", " ", "<tool_call>", "<tool_call>\n{", "{", "[TOOL_CALLS]", "[TOOL_CALLS][", "<|python_tag|>"],
+    ["", " ", "<tool_call>", "<tool_call>\n{", "{", "[TOOL_CALLS]", "[TOOL_CALLS][",
+     "<|python_tag|>"],
 )
 def test_nothing_but_beginnings(text: str) -> None:
     for fmt in FORMATS.values():
         parsed = fmt.parse(text, TOOL_NAMES, counter_ids())
         assert parsed.calls == [] and parsed.content == text
+
+
+@pytest.mark.parametrize(
+    "text",
+    [
+        '<tool_call>{"name": "' * 2000,
+        "<tool_call>" * 3000,
+        "[TOOL_CALLS]" + "a" * 5000,
+        '{"name": "search", "parameters": {"' + "<tool_call>" * 500,
+        "<tool_call>\n" + " " * 20000 + "x",
+    ],
+    ids=["names in names", "openers", "long name", "openers in a key", "long whitespace"],
+)
+def test_pathological_outputs_stay_text(text: str) -> None:
+    for fmt in FORMATS.values():
+        parsed = fmt.parse(text, TOOL_NAMES, counter_ids())
+        assert parsed.calls == [] or fmt.name == "llama3_json"
+        assert parsed.content or parsed.calls

@@ -40,7 +40,9 @@ TOOLS = [
     Tool("get_time", None, {"type": "object", "properties": {"timezone": {"type": "string"}}}),
 ]
 CALLS = [
-    ToolCall("call_6c0d1ab2e3f4a5b6c7d8e9f0", "get_weather", '{"city": "Zürich", "unit": "celsius"}'),
+    ToolCall(
+        "call_6c0d1ab2e3f4a5b6c7d8e9f0", "get_weather", '{"city": "Zürich", "unit": "celsius"}'
+    ),
     ToolCall("call_0a1b2c3d4e5f60718293a4b5", "get_time", '{"timezone": "Europe/Zurich"}'),
 ]
 RESULTS = [

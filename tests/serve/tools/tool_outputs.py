@@ -135,8 +135,14 @@ LLAMA3 = [
         "llama3_json", "cut off", '{"name": "search", "parameters": {"query": "tea", "tags": ["gre',
         "", (("search", '{"query": "tea", "tags": ["gre"]}'),),
     ),
-    Case("llama3_json", "nested arguments", _l("search", NESTED_ARGS), "", (("search", NESTED_ARGS),)),
-    Case("llama3_json", "unicode", _l("get_weather", UNICODE_ARGS), "", (("get_weather", UNICODE_ARGS),)),
+    Case(
+        "llama3_json", "nested arguments", _l("search", NESTED_ARGS), "",
+        (("search", NESTED_ARGS),),
+    ),
+    Case(
+        "llama3_json", "unicode", _l("get_weather", UNICODE_ARGS), "",
+        (("get_weather", UNICODE_ARGS),),
+    ),
     Case(
         "llama3_json", "trailing text", _l("get_weather", _W) + " I hope this helps.",
         "I hope this helps.", (("get_weather", _W),),
@@ -169,7 +175,8 @@ MISTRAL = [
     ),
     Case("mistral", "plain answer", "Bonjour !", "Bonjour !", ()),
     Case(
-        "mistral", "malformed json", '[TOOL_CALLS][{"name": "get_weather", "arguments": {"city": Paris}}]',
+        "mistral", "malformed json",
+        '[TOOL_CALLS][{"name": "get_weather", "arguments": {"city": Paris}}]',
         "Paris}}]", (("get_weather", '{"city": null}'),),
     ),
     Case(
@@ -180,7 +187,10 @@ MISTRAL = [
         "mistral", "cut off", '[TOOL_CALLS][{"name": "get_weather", "arguments": {"city": "Ly',
         "", (("get_weather", '{"city": "Ly"}'),),
     ),
-    Case("mistral", "nested arguments", f"[TOOL_CALLS]search[ARGS]{NESTED_ARGS}", "", (("search", NESTED_ARGS),)),
+    Case(
+        "mistral", "nested arguments", f"[TOOL_CALLS]search[ARGS]{NESTED_ARGS}", "",
+        (("search", NESTED_ARGS),),
+    ),
     Case(
         "mistral", "unicode", f"[TOOL_CALLS][{_m('get_weather', UNICODE_ARGS)}]", "",
         (("get_weather", UNICODE_ARGS),),
