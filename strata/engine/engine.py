@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from collections import deque
 from concurrent.futures import Future
 from functools import partial
@@ -17,7 +18,9 @@ from typing import Any, Callable
 import torch
 
 from strata.engine.config import EngineConfig, describe_pool, pool_chunk_size
+from strata.engine.controls import GrammarCounters, MaskWorker, PendingMasks, banned_ids, biased, masked
 from strata.engine.conversation_cache import ConversationCache
+from strata.engine.grammar import Grammars
 from strata.engine.parking import Parking
 from strata.engine.pipeline import Launched, continuation
 from strata.engine.request import Request, RequestHandle
@@ -27,7 +30,7 @@ from strata.engine.scheduler import Lane, Scheduler, Step
 from strata.engine.sessions import SessionFiles, SessionResult
 from strata.engine.stats import pool_and_lane_figures
 from strata.engine.stop import StopMatcher
-from strata.engine.types import FinishReason, SamplingParams, StreamEvent
+from strata.engine.types import FinishReason, PromptProgress, SamplingParams, StreamEvent
 from strata.errors import BadRequest, ContextTooLong, ModelLoadError, QueueFull, StrataError
 from strata.knobs import knob_values
 from strata.kv.formats import make_format
@@ -61,6 +64,8 @@ class Engine:
         self.steps = 0
         self.pipelined_steps = 0  # steps launched before the previous one was post-processed
         self.step_errors = 0
+        self.grammar_counters = GrammarCounters()
+        self._masks: MaskWorker | None = None  # made with the first constrained step
         ready: Future = Future()
         self._thread = threading.Thread(target=self._main, args=(loaded, ready),
                                         name="strata-engine", daemon=True)
@@ -120,6 +125,8 @@ class Engine:
         self.pipeline = config.pipeline == "on" or (config.pipeline == "auto" and self.runner.graphs is not None)
         self.stop_ids = set(self.tokenizer.stop_token_ids)
         self.sessions = SessionFiles(self.scheduler, config.session_dir, self.loaded.identity, mc.vocab_size)
+        # the server checks grammars (`engine.grammars.check`) from its threads before submitting
+        self.grammars = Grammars(self.tokenizer, mc.vocab_size)
 
     # ---- public API ---------------------------------------------------------
     def generate(self, prompt_ids: list[int], params: SamplingParams | None = None) -> RequestHandle:
@@ -193,6 +200,8 @@ class Engine:
         figures["queue_length"] += len(self._inbox)
         figures.update(
             steps=self.steps, pipelined_steps=self.pipelined_steps, step_errors=self.step_errors,
+            grammar_rows=self.grammar_counters.rows, grammar_wait_s=self.grammar_counters.wait_s,
+            grammar_mask_s=self.grammar_counters.mask_s,
             conversation_cache=(self.conversations.stats().as_dict()
                                 if self.conversations is not None else None),
             knobs=knob_values())
@@ -203,6 +212,8 @@ class Engine:
             self._closed = True
         self._wake.set()
         self._thread.join(timeout=30)
+        if self._masks is not None:
+            self._masks.close()
 
     def __enter__(self) -> "Engine":
         return self
@@ -221,6 +232,15 @@ class Engine:
             return ContextTooLong(len(prompt), self.config.max_context)
         if params.max_tokens < 1:
             return BadRequest("max_tokens must be at least 1", "max_tokens")
+        if not 0 <= params.min_tokens <= params.max_tokens:
+            return BadRequest(f"min_tokens must be in [0, max_tokens = {params.max_tokens}], "
+                              f"got {params.min_tokens}", "min_tokens")
+        if any(not isinstance(t, int) or not 0 <= t < vocab for t in params.logit_bias):
+            return BadRequest(f"logit_bias token ids must be in [0, {vocab})", "logit_bias")
+        if any(not isinstance(v, (int, float)) or not -100 <= v <= 100 for v in params.logit_bias.values()):
+            return BadRequest("logit_bias values must be numbers from -100 to 100", "logit_bias")
+        if params.grammar is not None and not isinstance(params.grammar, str):
+            return BadRequest("grammar must be llguidance grammar text", "grammar")
         return None
 
     # ---- the loop ---------------------------------------------------------------
@@ -264,13 +284,26 @@ class Engine:
     def _launch(self, step: Step, forward: Callable[[], torch.Tensor]) -> Launched | None:
         """Run a step's forward; a greedy decode step also gets its tokens, left on the device."""
         try:
-            launched = Launched(step, [lane.request for lane in step.lanes], forward())
+            masks = self._start_masks(step)  # before the forward: the two overlap
+            launched = Launched(step, [lane.request for lane in step.lanes], forward(), masks=masks)
             launched.take_greedy_ids()
             self.steps += 1
             return launched
         except Exception as e:  # fail this step's requests; the engine keeps serving
             self._fail_step(step, e)
             return None
+
+    def _start_masks(self, step: Step) -> PendingMasks | None:
+        """Start computing the grammar masks of the step's sampled rows that have a matcher."""
+        rows = [i for i, (lane, wanted) in enumerate(zip(step.lanes, step.sample))
+                if wanted and lane.request is not None and lane.request.matcher is not None]
+        if not rows:
+            return None
+        if self._masks is None:
+            self._masks = MaskWorker()
+        matchers = [step.lanes[i].request.matcher for i in rows]  # type: ignore[union-attr]
+        return self._masks.start(rows, matchers, self.grammars.vocab_size,  # type: ignore[arg-type]
+                                 pin=self.device.type == "cuda")
 
     def _continue(self, prev: Launched) -> Launched | None:
         """Launch the decode step after `prev` before `prev`'s tokens reach the host (pipeline.py)."""
@@ -328,12 +361,16 @@ class Engine:
         while sched.waiting and sched.free_lanes():
             req = sched.waiting.popleft()
             try:
+                if req.params.grammar is not None:  # an invalid grammar fails here, before a lane changes
+                    req.matcher = self.grammars.matcher(req.params.grammar)
                 sched.admit(req)
             except StrataError as e:
                 req.handle.fail(e)
                 continue
             req.detok = IncrementalDetokenizer(self.tokenizer, req.prompt)
             req.stopper = StopMatcher(req.params.stop)
+            if req.params.progress:
+                req.handle.publish(self._progress(req))
 
     def _postprocess(self, launched: Launched) -> None:
         """Account the step's input tokens, then sample and accept its output tokens."""
@@ -346,6 +383,8 @@ class Engine:
             if req.prefilling:
                 lane.tokens.extend(req.prompt[req.cursor : req.cursor + seq.n])
                 req.cursor += seq.n
+                if not wanted and req.params.progress:
+                    req.handle.publish(self._progress(req))
             else:
                 assert lane.pending is not None
                 lane.tokens.append(lane.pending)
@@ -353,6 +392,9 @@ class Engine:
             if wanted:
                 lanes_sampled.append(lane)
                 rows.append(i)
+        words = None
+        if launched.masks is not None:
+            words, lanes_sampled, rows = self._wait_masks(launched.masks, lanes_sampled, rows)
         if not lanes_sampled:
             return
         if launched.host is not None:  # a greedy decode step: its tokens are on their way
@@ -360,23 +402,52 @@ class Engine:
             tokens = [all_tokens[i] for i in rows]
             logprobs: list[Any] = [None] * len(rows)
         else:
-            reqs = [lane.request for lane in lanes_sampled]
-            sampled_rows = [i for i, w in enumerate(step.sample) if w]
-            logits = launched.logits
-            if len(rows) != len(sampled_rows):
-                keep = [sampled_rows.index(i) for i in rows]
-                logits = logits[torch.tensor(keep, device=logits.device)]
-            result = sample(
-                logits,
-                [r.params for r in reqs],  # type: ignore[union-attr]
-                [r.prompt + r.output for r in reqs] if any(has_penalties(r.params) for r in reqs) else [[]] * len(reqs),  # type: ignore[union-attr]
-                [r.generator for r in reqs],  # type: ignore[union-attr]
-                [len(r.prompt) for r in reqs],  # type: ignore[union-attr]
-            )
-            tokens = result.tokens.tolist()
-            logprobs = result.logprobs
+            tokens, logprobs = self._sample(launched, lanes_sampled, rows, words)
         for lane, tok, lp in zip(lanes_sampled, tokens, logprobs):
             self._accept(lane, tok, lp)
+
+    def _wait_masks(self, masks: PendingMasks, lanes: list[Lane],
+                    rows: list[int]) -> tuple[torch.Tensor | None, list[Lane], list[int]]:
+        """The step's grammar masks; lanes whose matcher failed end here and leave the step's rows."""
+        start = time.perf_counter()
+        words, error, worker_s = masks.wait()
+        self.grammar_counters.wait_s += time.perf_counter() - start
+        self.grammar_counters.mask_s += worker_s
+        kept_lanes, kept_rows = [], []
+        for lane, i in zip(lanes, rows):
+            matcher = lane.request.matcher  # type: ignore[union-attr]
+            if matcher is not None and i in masks.rows and (error or matcher.is_error()):
+                self._grammar_failed(lane, error or matcher.get_error())
+                continue
+            kept_lanes.append(lane)
+            kept_rows.append(i)
+        return words, kept_lanes, kept_rows
+
+    def _sample(self, launched: Launched, lanes: list[Lane], rows: list[int],
+                words: torch.Tensor | None) -> tuple[list[int], list[Any]]:
+        """Tokens and logprobs of the step's rows `rows`, after the requests' controls."""
+        reqs: list[Request] = [lane.request for lane in lanes]  # type: ignore[misc]
+        sampled_rows = [i for i, w in enumerate(launched.step.sample) if w]
+        logits = launched.logits
+        if len(rows) != len(sampled_rows):
+            keep = [sampled_rows.index(i) for i in rows]
+            logits = logits[torch.tensor(keep, device=logits.device)]
+        vocab = logits.shape[1]
+        scores = biased(logits, [r.params.logit_bias for r in reqs],
+                        [banned_ids(r.params, len(r.output), self.stop_ids, vocab) for r in reqs])
+        if words is not None and launched.masks is not None:
+            start = time.perf_counter()
+            mask_rows = launched.masks.rows
+            pairs = [(j, mask_rows.index(i)) for j, i in enumerate(rows) if i in mask_rows]
+            if pairs:
+                scores = masked(logits.float().clone() if scores is None else scores, words, pairs)
+                self.grammar_counters.rows += len(pairs)
+            self.grammar_counters.wait_s += time.perf_counter() - start
+        histories = ([r.prompt + r.output for r in reqs] if any(has_penalties(r.params) for r in reqs)
+                     else [[]] * len(reqs))
+        result = sample(logits, [r.params for r in reqs], histories, [r.generator for r in reqs],
+                        [len(r.prompt) for r in reqs], scores=scores)
+        return result.tokens.tolist(), result.logprobs
 
     def _accept(self, lane: Lane, tok: int, lp: Any) -> None:
         req = lane.request
@@ -385,24 +456,51 @@ class Engine:
         logprobs = [lp.with_text(self.tokenizer.token_text)] if lp is not None else []
         if tok in self.stop_ids and not p.ignore_eos or tok in p.stop_token_ids:
             req.output.append(tok)
-            tail, _ = req.stopper.push(req.detok.flush())  # type: ignore[union-attr]
-            tail += req.stopper.flush()  # type: ignore[union-attr]
-            self._publish_and_finish(lane, tail, [tok], FinishReason.STOP, logprobs)
+            self._publish_and_finish(lane, self._flush(req), [tok], FinishReason.STOP, logprobs)
             return
         req.output.append(tok)
-        text, stopped = req.stopper.push(req.detok.push(tok))  # type: ignore[union-attr]
+        text, stopped = req.detok.push(tok), None  # type: ignore[union-attr]
+        if len(req.output) >= p.min_tokens:  # stop strings count from the min_tokens-th token's text on
+            text, stopped = req.stopper.push(text)  # type: ignore[union-attr]
         if stopped is not None:
             self._publish_and_finish(lane, text, [tok], FinishReason.STOP, logprobs, stop=stopped)
             return
+        matcher = req.matcher
+        if matcher is not None:
+            if not matcher.consume_token(tok):  # type: ignore[attr-defined]
+                self._grammar_failed(lane, matcher.get_error(), text, [tok], logprobs)  # type: ignore[attr-defined]
+                return
+            if matcher.is_stopped():  # type: ignore[attr-defined]
+                # the grammar is complete and allows nothing more: as if EOS came next
+                self._publish_and_finish(lane, text + self._flush(req), [tok], FinishReason.STOP, logprobs)
+                return
         at_limit = len(req.output) >= p.max_tokens
         at_context = len(lane.tokens) + 1 >= self.config.max_context
         if at_limit or at_context:
-            text += req.stopper.push(req.detok.flush())[0]  # type: ignore[union-attr]
-            text += req.stopper.flush()  # type: ignore[union-attr]
-            self._publish_and_finish(lane, text, [tok], FinishReason.LENGTH, logprobs)
+            self._publish_and_finish(lane, text + self._flush(req), [tok], FinishReason.LENGTH, logprobs)
             return
         lane.pending = tok
         req.handle.publish(self._event(req, text, [tok], None, logprobs=logprobs))
+
+    @staticmethod
+    def _flush(req: Request) -> str:
+        """The text still held by the detokenizer and the stop matcher, at the end of a request."""
+        tail = req.stopper.push(req.detok.flush())[0]  # type: ignore[union-attr]
+        return tail + req.stopper.flush()  # type: ignore[union-attr]
+
+    def _grammar_failed(self, lane: Lane, error: str, text: str = "", toks: list[int] | None = None,
+                        logprobs: list | None = None) -> None:
+        """A matcher error (llguidance rejected its own mask or state): the request ends `stop`."""
+        req = lane.request
+        assert req is not None
+        log.warning("request %s: grammar matcher failed, ending it: %s", req.handle.id, error.strip())
+        self._publish_and_finish(lane, text + self._flush(req), toks or [], FinishReason.STOP, logprobs or [])
+
+    def _progress(self, req: Request) -> StreamEvent:
+        """A prompt-progress event: how much of the prompt is read (for `params.progress`)."""
+        event = self._event(req, "", [], None)
+        event.progress = PromptProgress(total=len(req.prompt), cached=req.cached, processed=req.cursor)
+        return event
 
     def _publish_and_finish(self, lane: Lane, text: str, toks: list[int], reason: FinishReason,
                             logprobs: list, stop: str | None = None, truncated: bool = False) -> None:

@@ -125,6 +125,7 @@ class Request:
     finish: FinishReason | None = None
     detok: object = None  # IncrementalDetokenizer
     stopper: object = None  # StopMatcher
+    matcher: object = None  # llguidance.LLMatcher of the request's grammar, if it has one
 
     @property
     def prefilling(self) -> bool:
