@@ -1,34 +1,39 @@
 """Per-request controls on a step's logits before sampling: logit_bias, min_tokens, grammar masks.
 
-Grammar masks come from llguidance on the host, one bit per token. A step's
-masks are started on a worker thread before its forward runs
-(`MaskWorker.start`) and waited for just before sampling, so computing them
-overlaps the forward instead of stalling the batch. The worker only calls
-llguidance (which releases the GIL); every torch op stays on the engine
-thread, whose OpenMP team is the only one (see `Engine.__init__`).
-
-Controls never touch other rows: they write into a copy of the logits, and a
-row without controls keeps its bits, so an unconstrained lane picks the same
-tokens beside a constrained one as alone.
+Grammar masks arrive as llguidance's packed bits (strata/engine/masks.py
+computes them). Controls never touch other rows: they write into a copy of
+the logits, and a row without controls keeps its bits, so an unconstrained
+lane picks the same tokens beside a constrained one as alone.
 """
 
 from __future__ import annotations
 
-import time
 from collections.abc import Collection, Mapping, Sequence
-from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass, field
 
 import torch
-from llguidance import LLExecutor, LLMatcher
 from torch import Tensor
 
 from strata.engine.types import SamplingParams
+from strata.errors import BadRequest
 
 
 def has_controls(p: SamplingParams) -> bool:
     """Whether the request's logits need anything before sampling (then its argmax is not plain)."""
     return p.grammar is not None or bool(p.logit_bias) or p.min_tokens > 0
+
+
+def controls_error(p: SamplingParams, vocab: int) -> BadRequest | None:
+    """What is wrong with the request's controls, naming the field; None if nothing."""
+    if not 0 <= p.min_tokens <= p.max_tokens:
+        return BadRequest(f"min_tokens must be in [0, max_tokens = {p.max_tokens}], got {p.min_tokens}",
+                          "min_tokens")
+    if any(not isinstance(t, int) or not 0 <= t < vocab for t in p.logit_bias):
+        return BadRequest(f"logit_bias token ids must be in [0, {vocab})", "logit_bias")
+    if any(not isinstance(v, (int, float)) or not -100 <= v <= 100 for v in p.logit_bias.values()):
+        return BadRequest("logit_bias values must be numbers from -100 to 100", "logit_bias")
+    if p.grammar is not None and not isinstance(p.grammar, str):
+        return BadRequest("grammar must be llguidance grammar text", "grammar")
+    return None
 
 
 def banned_ids(p: SamplingParams, generated: int, eos_ids: Collection[int], vocab: int) -> list[int]:
@@ -46,56 +51,6 @@ def banned_ids(p: SamplingParams, generated: int, eos_ids: Collection[int], voca
 def mask_words(vocab: int) -> int:
     """int32 words in one token bitmask of `vocab` bits."""
     return (vocab + 31) // 32
-
-
-@dataclass
-class GrammarCounters:
-    """What grammar masks cost, for `Engine.stats()` and benchmarks."""
-
-    rows: int = 0  # sampled rows that were masked
-    wait_s: float = 0.0  # engine thread: waiting for masks plus applying them
-    mask_s: float = 0.0  # worker thread: computing them (overlaps the forward)
-
-
-@dataclass
-class PendingMasks:
-    """One step's masks on their way: row k of `words` is the mask of step row `rows[k]`."""
-
-    rows: list[int]
-    words: Tensor  # [len(rows), mask_words(vocab)] int32 on the host
-    done: Future[float] = field(repr=False)  # the worker's seconds; raises what llguidance raised
-
-    def wait(self) -> tuple[Tensor | None, str | None, float]:
-        """(words, None, worker seconds), or (None, the error, 0.0) when the computation failed."""
-        try:
-            return self.words, None, self.done.result()
-        except Exception as e:  # an API misuse inside llguidance: the constrained rows end
-            return None, f"{type(e).__name__}: {e}", 0.0
-
-
-class MaskWorker:
-    """One worker thread that fills a step's masks, several matchers at once through llguidance."""
-
-    def __init__(self) -> None:
-        self._pool = ThreadPoolExecutor(1, thread_name_prefix="strata-grammar")
-        self._executor: LLExecutor | None = None  # made on the worker, on first use
-
-    def start(self, rows: list[int], matchers: list[LLMatcher], vocab: int, pin: bool) -> PendingMasks:
-        """Begin computing the matchers' next masks; `pin` for logits on a CUDA device."""
-        words = torch.zeros((len(matchers), mask_words(vocab)), dtype=torch.int32, pin_memory=pin)
-        return PendingMasks(rows, words, self._pool.submit(self._fill, matchers, words))
-
-    def _fill(self, matchers: list[LLMatcher], words: Tensor) -> float:
-        start = time.perf_counter()
-        if self._executor is None:
-            self._executor = LLExecutor()
-        n, width = words.shape
-        self._executor.unsafe_compute_mask_ptr([(m, k) for k, m in enumerate(matchers)],
-                                               words.data_ptr(), width * 4, n)
-        return time.perf_counter() - start
-
-    def close(self) -> None:
-        self._pool.shutdown(wait=True)
 
 
 def unpack_bitmask(words: Tensor, vocab: int) -> Tensor:
@@ -133,11 +88,20 @@ def biased(logits: Tensor, biases: Sequence[Mapping[int, float]],
 
 
 def masked(scores: Tensor, words: Tensor, pairs: Sequence[tuple[int, int]]) -> Tensor:
-    """Apply masks in place: for each (row, k), the tokens bit k of `words` disallows get -inf."""
+    """`scores` with -inf where masks disallow: for each (row, k), mask k of `words` covers `row`.
+
+    A new tensor (torch.where, the fastest of the CPU's choices measured); `scores` is left as it is.
+    """
     device = scores.device
-    rows = torch.tensor([r for r, _ in pairs], device=device)
-    on_device = words.to(device, non_blocking=True)  # the whole (pinned) block, then the rows wanted
-    picked = on_device[torch.tensor([k for _, k in pairs], device=device)]
-    allowed = unpack_bitmask(picked, scores.shape[1])
-    scores[rows] = scores[rows].masked_fill(~allowed, -torch.inf)
-    return scores
+    rows = [r for r, _ in pairs]
+    picks = [k for _, k in pairs]
+    words = words.to(device, non_blocking=True)  # the whole (pinned) block, then the rows wanted
+    if picks != list(range(words.shape[0])):
+        words = words[torch.tensor(picks, device=device)]
+    allowed = unpack_bitmask(words, scores.shape[1])
+    if rows == list(range(scores.shape[0])):
+        return torch.where(allowed, scores, -torch.inf)
+    index = torch.tensor(rows, device=device)
+    out = scores.clone()
+    out[index] = torch.where(allowed, scores[index], -torch.inf)
+    return out

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import logging
 import threading
-import time
 from collections import deque
 from concurrent.futures import Future
 from functools import partial
@@ -18,9 +17,10 @@ from typing import Any, Callable
 import torch
 
 from strata.engine.config import EngineConfig, describe_pool, pool_chunk_size
-from strata.engine.controls import GrammarCounters, MaskWorker, PendingMasks, banned_ids, biased, masked
+from strata.engine.controls import banned_ids, biased, controls_error
 from strata.engine.conversation_cache import ConversationCache
 from strata.engine.grammar import Grammars
+from strata.engine.masks import GrammarMasks
 from strata.engine.parking import Parking
 from strata.engine.pipeline import Launched, continuation
 from strata.engine.request import Request, RequestHandle
@@ -64,8 +64,6 @@ class Engine:
         self.steps = 0
         self.pipelined_steps = 0  # steps launched before the previous one was post-processed
         self.step_errors = 0
-        self.grammar_counters = GrammarCounters()
-        self._masks: MaskWorker | None = None  # made with the first constrained step
         ready: Future = Future()
         self._thread = threading.Thread(target=self._main, args=(loaded, ready),
                                         name="strata-engine", daemon=True)
@@ -127,6 +125,7 @@ class Engine:
         self.sessions = SessionFiles(self.scheduler, config.session_dir, self.loaded.identity, mc.vocab_size)
         # the server checks grammars (`engine.grammars.check`) from its threads before submitting
         self.grammars = Grammars(self.tokenizer, mc.vocab_size)
+        self.masks = GrammarMasks(self.grammars.vocab_size, pin=self.device.type == "cuda")
 
     # ---- public API ---------------------------------------------------------
     def generate(self, prompt_ids: list[int], params: SamplingParams | None = None) -> RequestHandle:
@@ -200,8 +199,8 @@ class Engine:
         figures["queue_length"] += len(self._inbox)
         figures.update(
             steps=self.steps, pipelined_steps=self.pipelined_steps, step_errors=self.step_errors,
-            grammar_rows=self.grammar_counters.rows, grammar_wait_s=self.grammar_counters.wait_s,
-            grammar_mask_s=self.grammar_counters.mask_s,
+            grammar_rows=self.masks.counters.rows, grammar_wait_s=self.masks.counters.wait_s,
+            grammar_mask_s=self.masks.counters.mask_s,
             conversation_cache=(self.conversations.stats().as_dict()
                                 if self.conversations is not None else None),
             knobs=knob_values())
@@ -212,8 +211,7 @@ class Engine:
             self._closed = True
         self._wake.set()
         self._thread.join(timeout=30)
-        if self._masks is not None:
-            self._masks.close()
+        self.masks.close()
 
     def __enter__(self) -> "Engine":
         return self
@@ -232,16 +230,7 @@ class Engine:
             return ContextTooLong(len(prompt), self.config.max_context)
         if params.max_tokens < 1:
             return BadRequest("max_tokens must be at least 1", "max_tokens")
-        if not 0 <= params.min_tokens <= params.max_tokens:
-            return BadRequest(f"min_tokens must be in [0, max_tokens = {params.max_tokens}], "
-                              f"got {params.min_tokens}", "min_tokens")
-        if any(not isinstance(t, int) or not 0 <= t < vocab for t in params.logit_bias):
-            return BadRequest(f"logit_bias token ids must be in [0, {vocab})", "logit_bias")
-        if any(not isinstance(v, (int, float)) or not -100 <= v <= 100 for v in params.logit_bias.values()):
-            return BadRequest("logit_bias values must be numbers from -100 to 100", "logit_bias")
-        if params.grammar is not None and not isinstance(params.grammar, str):
-            return BadRequest("grammar must be llguidance grammar text", "grammar")
-        return None
+        return controls_error(params, vocab)
 
     # ---- the loop ---------------------------------------------------------------
     def _loop(self) -> None:
@@ -284,7 +273,7 @@ class Engine:
     def _launch(self, step: Step, forward: Callable[[], torch.Tensor]) -> Launched | None:
         """Run a step's forward; a greedy decode step also gets its tokens, left on the device."""
         try:
-            masks = self._start_masks(step)  # before the forward: the two overlap
+            masks = self.masks.start(step)  # before the forward: the two overlap
             launched = Launched(step, [lane.request for lane in step.lanes], forward(), masks=masks)
             launched.take_greedy_ids()
             self.steps += 1
@@ -292,18 +281,6 @@ class Engine:
         except Exception as e:  # fail this step's requests; the engine keeps serving
             self._fail_step(step, e)
             return None
-
-    def _start_masks(self, step: Step) -> PendingMasks | None:
-        """Start computing the grammar masks of the step's sampled rows that have a matcher."""
-        rows = [i for i, (lane, wanted) in enumerate(zip(step.lanes, step.sample))
-                if wanted and lane.request is not None and lane.request.matcher is not None]
-        if not rows:
-            return None
-        if self._masks is None:
-            self._masks = MaskWorker()
-        matchers = [step.lanes[i].request.matcher for i in rows]  # type: ignore[union-attr]
-        return self._masks.start(rows, matchers, self.grammars.vocab_size,  # type: ignore[arg-type]
-                                 pin=self.device.type == "cuda")
 
     def _continue(self, prev: Launched) -> Launched | None:
         """Launch the decode step after `prev` before `prev`'s tokens reach the host (pipeline.py)."""
@@ -393,8 +370,12 @@ class Engine:
                 lanes_sampled.append(lane)
                 rows.append(i)
         words = None
-        if launched.masks is not None:
-            words, lanes_sampled, rows = self._wait_masks(launched.masks, lanes_sampled, rows)
+        if launched.masks is not None:  # lanes whose matcher failed end here, without a token
+            words, failed = self.masks.wait(launched.masks, lanes_sampled, rows)
+            for lane, error in failed:
+                self._grammar_failed(lane, error)
+            live = [k for k, lane in enumerate(lanes_sampled) if lane.request is not None]
+            lanes_sampled, rows = [lanes_sampled[k] for k in live], [rows[k] for k in live]
         if not lanes_sampled:
             return
         if launched.host is not None:  # a greedy decode step: its tokens are on their way
@@ -405,23 +386,6 @@ class Engine:
             tokens, logprobs = self._sample(launched, lanes_sampled, rows, words)
         for lane, tok, lp in zip(lanes_sampled, tokens, logprobs):
             self._accept(lane, tok, lp)
-
-    def _wait_masks(self, masks: PendingMasks, lanes: list[Lane],
-                    rows: list[int]) -> tuple[torch.Tensor | None, list[Lane], list[int]]:
-        """The step's grammar masks; lanes whose matcher failed end here and leave the step's rows."""
-        start = time.perf_counter()
-        words, error, worker_s = masks.wait()
-        self.grammar_counters.wait_s += time.perf_counter() - start
-        self.grammar_counters.mask_s += worker_s
-        kept_lanes, kept_rows = [], []
-        for lane, i in zip(lanes, rows):
-            matcher = lane.request.matcher  # type: ignore[union-attr]
-            if matcher is not None and i in masks.rows and (error or matcher.is_error()):
-                self._grammar_failed(lane, error or matcher.get_error())
-                continue
-            kept_lanes.append(lane)
-            kept_rows.append(i)
-        return words, kept_lanes, kept_rows
 
     def _sample(self, launched: Launched, lanes: list[Lane], rows: list[int],
                 words: torch.Tensor | None) -> tuple[list[int], list[Any]]:
@@ -436,13 +400,8 @@ class Engine:
         scores = biased(logits, [r.params.logit_bias for r in reqs],
                         [banned_ids(r.params, len(r.output), self.stop_ids, vocab) for r in reqs])
         if words is not None and launched.masks is not None:
-            start = time.perf_counter()
-            mask_rows = launched.masks.rows
-            pairs = [(j, mask_rows.index(i)) for j, i in enumerate(rows) if i in mask_rows]
-            if pairs:
-                scores = masked(logits.float().clone() if scores is None else scores, words, pairs)
-                self.grammar_counters.rows += len(pairs)
-            self.grammar_counters.wait_s += time.perf_counter() - start
+            scores = self.masks.apply(logits.float() if scores is None else scores, launched.masks,
+                                      words, rows)
         histories = ([r.prompt + r.output for r in reqs] if any(has_penalties(r.params) for r in reqs)
                      else [[]] * len(reqs))
         result = sample(logits, [r.params for r in reqs], histories, [r.generator for r in reqs],
@@ -467,10 +426,10 @@ class Engine:
             return
         matcher = req.matcher
         if matcher is not None:
-            if not matcher.consume_token(tok):  # type: ignore[attr-defined]
-                self._grammar_failed(lane, matcher.get_error(), text, [tok], logprobs)  # type: ignore[attr-defined]
+            if not matcher.consume_token(tok):
+                self._grammar_failed(lane, matcher.get_error(), text, [tok], logprobs)
                 return
-            if matcher.is_stopped():  # type: ignore[attr-defined]
+            if matcher.is_stopped():
                 # the grammar is complete and allows nothing more: as if EOS came next
                 self._publish_and_finish(lane, text + self._flush(req), [tok], FinishReason.STOP, logprobs)
                 return
@@ -494,7 +453,8 @@ class Engine:
         req = lane.request
         assert req is not None
         log.warning("request %s: grammar matcher failed, ending it: %s", req.handle.id, error.strip())
-        self._publish_and_finish(lane, text + self._flush(req), toks or [], FinishReason.STOP, logprobs or [])
+        self._publish_and_finish(lane, text + self._flush(req), toks or [], FinishReason.STOP,
+                                 logprobs or [])
 
     def _progress(self, req: Request) -> StreamEvent:
         """A prompt-progress event: how much of the prompt is read (for `params.progress`)."""

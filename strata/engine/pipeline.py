@@ -20,7 +20,8 @@ from typing import Any
 
 import torch
 
-from strata.engine.controls import PendingMasks, has_controls
+from strata.engine.controls import has_controls
+from strata.engine.masks import PendingMasks
 from strata.engine.request import Request
 from strata.engine.sampling import has_penalties
 from strata.engine.scheduler import Lane, Scheduler, Step

@@ -35,6 +35,25 @@ PET = {
     "required": ["name", "kind", "age", "tags", "owner"],
     "additionalProperties": False,
 }
+CALL = {
+    "type": "object",
+    "properties": {
+        "name": {"enum": ["get_weather"]},
+        "arguments": {
+            "type": "object",
+            "properties": {"city": {"type": "string", "maxLength": 12},
+                           "days": {"type": "integer", "minimum": 1, "maximum": 7}},
+            "required": ["city", "days"],
+            "additionalProperties": False,
+        },
+    },
+    "required": ["name", "arguments"],
+    "additionalProperties": False,
+}
+
+
+def _pet(**kw) -> SamplingParams:
+    return SamplingParams(max_tokens=160, grammar=json_schema_grammar(PET, param="schema"), **kw)
 
 
 @pytest.fixture(scope="module", params=["off", "on"])
@@ -63,7 +82,7 @@ def _together(engine: Engine, jobs: list[tuple[str, SamplingParams]]) -> list:
 def test_json_schema_output_parses_and_validates(engine) -> None:
     prompt = _ids(engine, "Describe a pet as JSON:")
     before = engine.stats()
-    r = engine.complete(prompt, SamplingParams(max_tokens=160, grammar=json_schema_grammar(PET, param="schema")))
+    r = engine.complete(prompt, _pet())
     assert r.finish_reason == FinishReason.STOP, r.text
     jsonschema.validate(json.loads(r.text), PET)
     assert r.text == engine.tokenizer.decode(r.token_ids)
@@ -78,16 +97,15 @@ def test_json_schema_output_parses_and_validates(engine) -> None:
 
 
 def test_sampled_constrained_output_validates(engine) -> None:
-    grammar = json_schema_grammar(PET, param="schema")
     for seed in (1, 2):
-        p = SamplingParams(max_tokens=160, temperature=1.0, seed=seed, grammar=grammar)
-        r = engine.complete(_ids(engine, "A pet:"), p)
+        r = engine.complete(_ids(engine, "A pet:"), _pet(temperature=1.0, seed=seed))
         assert r.finish_reason == FinishReason.STOP
         jsonschema.validate(json.loads(r.text), PET)
 
 
 def test_any_json_object(engine) -> None:
-    r = engine.complete(_ids(engine, "JSON:"), SamplingParams(max_tokens=200, grammar=json_object_grammar()))
+    p = SamplingParams(max_tokens=200, grammar=json_object_grammar())
+    r = engine.complete(_ids(engine, "JSON:"), p)
     if r.finish_reason == FinishReason.STOP:  # an open-ended object may run to max_tokens
         assert isinstance(json.loads(r.text), dict)
     else:
@@ -95,25 +113,21 @@ def test_any_json_object(engine) -> None:
 
 
 def test_lark_grammar_with_json_inside_tags(engine) -> None:
-    call = {"type": "object", "properties": {"name": {"enum": ["get_weather"]},
-                                             "arguments": {"type": "object", "properties": {
-                                                 "city": {"type": "string", "maxLength": 12},
-                                                 "days": {"type": "integer", "minimum": 1, "maximum": 7}},
-                                                 "required": ["city", "days"], "additionalProperties": False}},
-            "required": ["name", "arguments"], "additionalProperties": False}
-    grammar = lark_grammar(f'start: "<tool_call>" call "</tool_call>"\ncall: {lark_json(call, param="tools")}\n')
+    rules = f'start: "<tool_call>" call "</tool_call>"\ncall: {lark_json(CALL, param="tools")}\n'
+    grammar = lark_grammar(rules)
     engine.grammars.check(grammar, "tools")
     r = engine.complete(_ids(engine, "Call a tool:"), SamplingParams(max_tokens=120, grammar=grammar))
     assert r.finish_reason == FinishReason.STOP
     assert r.text.startswith("<tool_call>") and r.text.endswith("</tool_call>"), r.text
-    jsonschema.validate(json.loads(r.text[len("<tool_call>"): -len("</tool_call>")]), call)
+    jsonschema.validate(json.loads(r.text[len("<tool_call>"): -len("</tool_call>")]), CALL)
 
 
 def test_invalid_schemas_and_grammars_name_their_param(engine) -> None:
     with pytest.raises(GrammarError) as bad_form:
         json_schema_grammar(["not", "a", "schema"], param="response_format")  # type: ignore[arg-type]
     assert bad_form.value.param == "response_format"
-    unsatisfiable = json_schema_grammar({"type": "integer", "minimum": 5, "maximum": 2}, param="response_format")
+    unsatisfiable = json_schema_grammar({"type": "integer", "minimum": 5, "maximum": 2},
+                                        param="response_format")
     with pytest.raises(GrammarError, match="minimum") as bad_schema:
         engine.grammars.check(unsatisfiable, "response_format")
     assert bad_schema.value.param == "response_format"
@@ -148,7 +162,7 @@ def test_checks_from_many_threads(engine) -> None:
 def test_unconstrained_lanes_are_bit_identical_beside_a_constrained_one(engine) -> None:
     plain = ("The sea is", SamplingParams(max_tokens=24, ignore_eos=True))
     with_lp = ("Once upon a time", SamplingParams(max_tokens=24, ignore_eos=True, logprobs=1))
-    constrained = ("A pet:", SamplingParams(max_tokens=160, grammar=json_schema_grammar(PET, param="schema")))
+    constrained = ("A pet:", _pet())
     alone = [engine.complete(_ids(engine, t), p) for t, p in (plain, with_lp)]
     before = engine.stats()["grammar_rows"]
     mixed = _together(engine, [plain, constrained, with_lp])
