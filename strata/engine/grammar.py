@@ -38,13 +38,22 @@ def json_schema_grammar(schema: dict | bool, *, param: str) -> str:
 
     Only the schema's form is checked here; `Grammars.check` compiles it.
     """
-    if not isinstance(schema, (dict, bool)):
-        raise GrammarError("a JSON schema must be an object or a boolean", param)
+    if schema is False:  # options need an object; `check` reports this one as unsatisfiable
+        return LLMatcher.grammar_from_json_schema("false")
     try:
-        text = json.dumps(schema, allow_nan=False)
+        text = json.dumps(_schema_object(schema, param), allow_nan=False)
         return LLMatcher.grammar_from_json_schema(text, defaults=JSON_OPTIONS)  # type: ignore[arg-type]
     except (TypeError, ValueError) as e:
         raise GrammarError(f"invalid JSON schema: {e}", param) from None
+
+
+def _schema_object(schema: object, param: str) -> dict:
+    """The schema as an object (true is {}), or GrammarError."""
+    if schema is True:
+        return {}
+    if not isinstance(schema, dict):
+        raise GrammarError("a JSON schema must be an object or a boolean", param)
+    return schema
 
 
 def json_object_grammar() -> str:
@@ -64,10 +73,7 @@ def lark_json(schema: dict | bool, *, param: str) -> str:
     """
     if schema is False:
         raise GrammarError("the JSON schema false allows no document", param)
-    if schema is True:
-        schema = {}
-    if not isinstance(schema, dict):
-        raise GrammarError("a JSON schema must be an object or a boolean", param)
+    schema = _schema_object(schema, param)
     own = schema.get("x-guidance", {})
     if not isinstance(own, dict):
         raise GrammarError("a JSON schema's x-guidance must be an object", param)
@@ -85,22 +91,29 @@ class Grammars:
         self._tokenizer = tokenizer
         self.vocab_size = max(vocab_size, tokenizer.vocab_size)  # the masks' width in bits
         self._built: LLTokenizer | None = None
+        self._unusable: str | None = None  # why llguidance could not take the tokenizer
         self._lock = threading.Lock()
 
-    def lltokenizer(self) -> LLTokenizer:
-        """llguidance's view of the tokenizer, built on the first call (thread-safe)."""
-        built = self._built
-        if built is None:
-            with self._lock:
-                if self._built is None:
+    def lltokenizer(self, param: str = "grammar") -> LLTokenizer:
+        """llguidance's view of the tokenizer, built on the first call (thread-safe).
+
+        A tokenizer llguidance cannot read makes every grammar a GrammarError (tried once).
+        """
+        with self._lock:
+            if self._built is None and self._unusable is None:
+                try:
                     self._built = LLTokenizer(self._tokenizer.backend.to_str(), n_vocab=self.vocab_size,
                                               eos_token=sorted(self._tokenizer.stop_token_ids))
-                built = self._built
+                except Exception as e:  # noqa: BLE001 - reported with every grammar instead
+                    self._unusable = f"{type(e).__name__}: {e}"
+            built, unusable = self._built, self._unusable
+        if built is None:
+            raise GrammarError(f"grammars are not available for this model's tokenizer: {unusable}", param)
         return built
 
     def check(self, grammar: str, param: str) -> None:
         """Raise GrammarError with llguidance's message when `grammar` cannot be used."""
-        error = LLMatcher.validate_grammar(grammar, self.lltokenizer())
+        error = LLMatcher.validate_grammar(grammar, self.lltokenizer(param))
         if error:
             raise GrammarError(f"invalid grammar: {error}", param)
 

@@ -7,6 +7,7 @@ masks' doing; the unconstrained control shows it.
 from __future__ import annotations
 
 import json
+import logging
 import threading
 
 import jsonschema
@@ -131,6 +132,8 @@ def test_invalid_schemas_and_grammars_name_their_param(engine) -> None:
     with pytest.raises(GrammarError, match="minimum") as bad_schema:
         engine.grammars.check(unsatisfiable, "response_format")
     assert bad_schema.value.param == "response_format"
+    with pytest.raises(GrammarError, match="false"):
+        engine.grammars.check(json_schema_grammar(False, param="response_format"), "response_format")
     with pytest.raises(GrammarError) as bad_lark:
         engine.grammars.check(lark_grammar("start: foo("), "tools")
     assert bad_lark.value.param == "tools"
@@ -172,3 +175,23 @@ def test_unconstrained_lanes_are_bit_identical_beside_a_constrained_one(engine) 
         assert m.token_ids == a.token_ids
         assert [(lp.token_id, lp.logprob, lp.top) for lp in m.logprobs] == \
                [(lp.token_id, lp.logprob, lp.top) for lp in a.logprobs]
+
+
+def test_a_matcher_error_ends_only_its_request(engine, caplog) -> None:
+    """Bans that leave the grammar no token: the row's pick is one the matcher rejects.
+
+    The grammar allows only "a" (a stop token id here, banned by min_tokens); with
+    ignore_eos the row's fallback pick, token 0, is an ordinary token the matcher refuses.
+    """
+    a = _ids(engine, "a")
+    assert len(a) == 1
+    cornered = SamplingParams(max_tokens=8, grammar=lark_grammar('start: "a"'), min_tokens=2,
+                              stop_token_ids=a, ignore_eos=True)
+    plain = ("The sea is", SamplingParams(max_tokens=12, ignore_eos=True))
+    alone = engine.complete(_ids(engine, plain[0]), plain[1])
+    with caplog.at_level(logging.WARNING, logger="strata.engine"):
+        failed, neighbour = _together(engine, [("x", cornered), plain])
+    assert failed.finish_reason == FinishReason.STOP and failed.completion_tokens == 1
+    assert neighbour.token_ids == alone.token_ids
+    warnings = [r for r in caplog.records if "grammar matcher failed" in r.getMessage()]
+    assert len(warnings) == 1 and "req-" in warnings[0].getMessage()
