@@ -17,7 +17,10 @@ from typing import Any, Callable
 import torch
 
 from strata.engine.config import EngineConfig, describe_pool, pool_chunk_size
+from strata.engine.controls import banned_ids, biased, controls_error
 from strata.engine.conversation_cache import ConversationCache
+from strata.engine.grammar import Grammars
+from strata.engine.masks import GrammarMasks
 from strata.engine.parking import Parking
 from strata.engine.pipeline import Launched, continuation
 from strata.engine.request import Request, RequestHandle
@@ -27,7 +30,7 @@ from strata.engine.scheduler import Lane, Scheduler, Step
 from strata.engine.sessions import SessionFiles, SessionResult
 from strata.engine.stats import pool_and_lane_figures
 from strata.engine.stop import StopMatcher
-from strata.engine.types import FinishReason, SamplingParams, StreamEvent
+from strata.engine.types import FinishReason, PromptProgress, SamplingParams, StreamEvent
 from strata.errors import BadRequest, ContextTooLong, ModelLoadError, QueueFull, StrataError
 from strata.knobs import knob_values
 from strata.kv.formats import make_format
@@ -120,6 +123,9 @@ class Engine:
         self.pipeline = config.pipeline == "on" or (config.pipeline == "auto" and self.runner.graphs is not None)
         self.stop_ids = set(self.tokenizer.stop_token_ids)
         self.sessions = SessionFiles(self.scheduler, config.session_dir, self.loaded.identity, mc.vocab_size)
+        # the server checks grammars (`engine.grammars.check`) from its threads before submitting
+        self.grammars = Grammars(self.tokenizer, mc.vocab_size)
+        self.masks = GrammarMasks(self.grammars.vocab_size, pin=self.device.type == "cuda")
 
     # ---- public API ---------------------------------------------------------
     def generate(self, prompt_ids: list[int], params: SamplingParams | None = None) -> RequestHandle:
@@ -193,6 +199,8 @@ class Engine:
         figures["queue_length"] += len(self._inbox)
         figures.update(
             steps=self.steps, pipelined_steps=self.pipelined_steps, step_errors=self.step_errors,
+            grammar_rows=self.masks.counters.rows, grammar_wait_s=self.masks.counters.wait_s,
+            grammar_mask_s=self.masks.counters.mask_s,
             conversation_cache=(self.conversations.stats().as_dict()
                                 if self.conversations is not None else None),
             knobs=knob_values())
@@ -203,6 +211,7 @@ class Engine:
             self._closed = True
         self._wake.set()
         self._thread.join(timeout=30)
+        self.masks.close()
 
     def __enter__(self) -> "Engine":
         return self
@@ -221,7 +230,7 @@ class Engine:
             return ContextTooLong(len(prompt), self.config.max_context)
         if params.max_tokens < 1:
             return BadRequest("max_tokens must be at least 1", "max_tokens")
-        return None
+        return controls_error(params, vocab)
 
     # ---- the loop ---------------------------------------------------------------
     def _loop(self) -> None:
@@ -264,7 +273,8 @@ class Engine:
     def _launch(self, step: Step, forward: Callable[[], torch.Tensor]) -> Launched | None:
         """Run a step's forward; a greedy decode step also gets its tokens, left on the device."""
         try:
-            launched = Launched(step, [lane.request for lane in step.lanes], forward())
+            masks = self.masks.start(step)  # before the forward: the two overlap
+            launched = Launched(step, [lane.request for lane in step.lanes], forward(), masks=masks)
             launched.take_greedy_ids()
             self.steps += 1
             return launched
@@ -328,12 +338,16 @@ class Engine:
         while sched.waiting and sched.free_lanes():
             req = sched.waiting.popleft()
             try:
+                if req.params.grammar is not None:  # an invalid grammar fails here, before a lane changes
+                    req.matcher = self.grammars.matcher(req.params.grammar)
                 sched.admit(req)
             except StrataError as e:
                 req.handle.fail(e)
                 continue
             req.detok = IncrementalDetokenizer(self.tokenizer, req.prompt)
             req.stopper = StopMatcher(req.params.stop)
+            if req.params.progress:
+                req.handle.publish(self._progress(req))
 
     def _postprocess(self, launched: Launched) -> None:
         """Account the step's input tokens, then sample and accept its output tokens."""
@@ -346,6 +360,8 @@ class Engine:
             if req.prefilling:
                 lane.tokens.extend(req.prompt[req.cursor : req.cursor + seq.n])
                 req.cursor += seq.n
+                if not wanted and req.params.progress:
+                    req.handle.publish(self._progress(req))
             else:
                 assert lane.pending is not None
                 lane.tokens.append(lane.pending)
@@ -353,6 +369,13 @@ class Engine:
             if wanted:
                 lanes_sampled.append(lane)
                 rows.append(i)
+        words = None
+        if launched.masks is not None:  # lanes whose matcher failed end here, without a token
+            words, failed = self.masks.wait(launched.masks, lanes_sampled, rows)
+            for lane, error in failed:
+                self._grammar_failed(lane, error)
+            live = [k for k, lane in enumerate(lanes_sampled) if lane.request is not None]
+            lanes_sampled, rows = [lanes_sampled[k] for k in live], [rows[k] for k in live]
         if not lanes_sampled:
             return
         if launched.host is not None:  # a greedy decode step: its tokens are on their way
@@ -360,23 +383,30 @@ class Engine:
             tokens = [all_tokens[i] for i in rows]
             logprobs: list[Any] = [None] * len(rows)
         else:
-            reqs = [lane.request for lane in lanes_sampled]
-            sampled_rows = [i for i, w in enumerate(step.sample) if w]
-            logits = launched.logits
-            if len(rows) != len(sampled_rows):
-                keep = [sampled_rows.index(i) for i in rows]
-                logits = logits[torch.tensor(keep, device=logits.device)]
-            result = sample(
-                logits,
-                [r.params for r in reqs],  # type: ignore[union-attr]
-                [r.prompt + r.output for r in reqs] if any(has_penalties(r.params) for r in reqs) else [[]] * len(reqs),  # type: ignore[union-attr]
-                [r.generator for r in reqs],  # type: ignore[union-attr]
-                [len(r.prompt) for r in reqs],  # type: ignore[union-attr]
-            )
-            tokens = result.tokens.tolist()
-            logprobs = result.logprobs
+            tokens, logprobs = self._sample(launched, lanes_sampled, rows, words)
         for lane, tok, lp in zip(lanes_sampled, tokens, logprobs):
             self._accept(lane, tok, lp)
+
+    def _sample(self, launched: Launched, lanes: list[Lane], rows: list[int],
+                words: torch.Tensor | None) -> tuple[list[int], list[Any]]:
+        """Tokens and logprobs of the step's rows `rows`, after the requests' controls."""
+        reqs: list[Request] = [lane.request for lane in lanes]  # type: ignore[misc]
+        sampled_rows = [i for i, w in enumerate(launched.step.sample) if w]
+        logits = launched.logits
+        if len(rows) != len(sampled_rows):
+            keep = [sampled_rows.index(i) for i in rows]
+            logits = logits[torch.tensor(keep, device=logits.device)]
+        vocab = logits.shape[1]
+        scores = biased(logits, [r.params.logit_bias for r in reqs],
+                        [banned_ids(r.params, len(r.output), self.stop_ids, vocab) for r in reqs])
+        if words is not None and launched.masks is not None:
+            scores = self.masks.apply(logits.float() if scores is None else scores, launched.masks,
+                                      words, rows)
+        histories = ([r.prompt + r.output for r in reqs] if any(has_penalties(r.params) for r in reqs)
+                     else [[]] * len(reqs))
+        result = sample(logits, [r.params for r in reqs], histories, [r.generator for r in reqs],
+                        [len(r.prompt) for r in reqs], scores=scores)
+        return result.tokens.tolist(), result.logprobs
 
     def _accept(self, lane: Lane, tok: int, lp: Any) -> None:
         req = lane.request
@@ -385,24 +415,52 @@ class Engine:
         logprobs = [lp.with_text(self.tokenizer.token_text)] if lp is not None else []
         if tok in self.stop_ids and not p.ignore_eos or tok in p.stop_token_ids:
             req.output.append(tok)
-            tail, _ = req.stopper.push(req.detok.flush())  # type: ignore[union-attr]
-            tail += req.stopper.flush()  # type: ignore[union-attr]
-            self._publish_and_finish(lane, tail, [tok], FinishReason.STOP, logprobs)
+            self._publish_and_finish(lane, self._flush(req), [tok], FinishReason.STOP, logprobs)
             return
         req.output.append(tok)
-        text, stopped = req.stopper.push(req.detok.push(tok))  # type: ignore[union-attr]
+        text, stopped = req.detok.push(tok), None  # type: ignore[union-attr]
+        if len(req.output) >= p.min_tokens:  # stop strings count from the min_tokens-th token's text on
+            text, stopped = req.stopper.push(text)  # type: ignore[union-attr]
         if stopped is not None:
             self._publish_and_finish(lane, text, [tok], FinishReason.STOP, logprobs, stop=stopped)
             return
+        matcher = req.matcher
+        if matcher is not None:
+            if not matcher.consume_token(tok):
+                self._grammar_failed(lane, matcher.get_error(), text, [tok], logprobs)
+                return
+            if matcher.is_stopped():
+                # the grammar is complete and allows nothing more: as if EOS came next
+                self._publish_and_finish(lane, text + self._flush(req), [tok], FinishReason.STOP, logprobs)
+                return
         at_limit = len(req.output) >= p.max_tokens
         at_context = len(lane.tokens) + 1 >= self.config.max_context
         if at_limit or at_context:
-            text += req.stopper.push(req.detok.flush())[0]  # type: ignore[union-attr]
-            text += req.stopper.flush()  # type: ignore[union-attr]
-            self._publish_and_finish(lane, text, [tok], FinishReason.LENGTH, logprobs)
+            self._publish_and_finish(lane, text + self._flush(req), [tok], FinishReason.LENGTH, logprobs)
             return
         lane.pending = tok
         req.handle.publish(self._event(req, text, [tok], None, logprobs=logprobs))
+
+    @staticmethod
+    def _flush(req: Request) -> str:
+        """The text still held by the detokenizer and the stop matcher, at the end of a request."""
+        tail = req.stopper.push(req.detok.flush())[0]  # type: ignore[union-attr]
+        return tail + req.stopper.flush()  # type: ignore[union-attr]
+
+    def _grammar_failed(self, lane: Lane, error: str, text: str = "", toks: list[int] | None = None,
+                        logprobs: list | None = None) -> None:
+        """A matcher error (llguidance rejected its own mask or state): the request ends `stop`."""
+        req = lane.request
+        assert req is not None
+        log.warning("request %s: grammar matcher failed, ending it: %s", req.handle.id, error.strip())
+        self._publish_and_finish(lane, text + self._flush(req), toks or [], FinishReason.STOP,
+                                 logprobs or [])
+
+    def _progress(self, req: Request) -> StreamEvent:
+        """A prompt-progress event: how much of the prompt is read (for `params.progress`)."""
+        event = self._event(req, "", [], None)
+        event.progress = PromptProgress(total=len(req.prompt), cached=req.cached, processed=req.cursor)
+        return event
 
     def _publish_and_finish(self, lane: Lane, text: str, toks: list[int], reason: FinishReason,
                             logprobs: list, stop: str | None = None, truncated: bool = False) -> None:

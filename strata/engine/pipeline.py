@@ -20,6 +20,8 @@ from typing import Any
 
 import torch
 
+from strata.engine.controls import has_controls
+from strata.engine.masks import PendingMasks
 from strata.engine.request import Request
 from strata.engine.sampling import has_penalties
 from strata.engine.scheduler import Lane, Scheduler, Step
@@ -36,6 +38,7 @@ class Launched:
     ids: torch.Tensor | None = None  # greedy decode steps: the sampled ids, on the device
     host: torch.Tensor | None = None  # ... and their copy on the host
     ready: Any = None  # CUDA event: the copy is done
+    masks: PendingMasks | None = None  # grammar masks of its constrained rows, computed meanwhile
 
     def take_greedy_ids(self) -> None:
         """For a step of plain greedy decode rows: argmax on the device, copy started to the host."""
@@ -57,9 +60,9 @@ class Launched:
 
 
 def plain_greedy(req: Request | None) -> bool:
-    """Greedy, with no penalties and no logprobs: its token is the argmax, taken on the device."""
+    """Greedy, with no penalties, logprobs or controls: its token is the argmax, taken on the device."""
     return (req is not None and req.params.greedy and req.params.logprobs is None
-            and not has_penalties(req.params))
+            and not has_penalties(req.params) and not has_controls(req.params))
 
 
 def continuation(prev: Launched, scheduler: Scheduler, max_context: int) -> tuple[Step, torch.Tensor] | None:

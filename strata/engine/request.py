@@ -12,11 +12,14 @@ import itertools
 import queue
 import threading
 from dataclasses import dataclass, field
-from typing import AsyncIterator, Iterator
+from typing import TYPE_CHECKING, AsyncIterator, Iterator
 
 import torch
 
 from strata.engine.types import FinishReason, SamplingParams, StreamEvent
+
+if TYPE_CHECKING:
+    from llguidance import LLMatcher
 
 _ids = itertools.count(1)
 _END = object()
@@ -125,6 +128,7 @@ class Request:
     finish: FinishReason | None = None
     detok: object = None  # IncrementalDetokenizer
     stopper: object = None  # StopMatcher
+    matcher: LLMatcher | None = None  # the matcher of the request's grammar, if it has one
 
     @property
     def prefilling(self) -> bool:

@@ -2,6 +2,8 @@
 
 Processing order (the one llama.cpp and vLLM use):
 
+0. the engine's per-request controls (logit_bias, min_tokens, grammar masks;
+   strata/engine/controls.py) arrive already applied, as `scores`;
 1. repetition penalty, Hugging Face semantics: for every token seen in the
    prompt or the output, a positive logit is divided by the penalty and a
    negative one multiplied by it;
@@ -90,6 +92,7 @@ def sample(
     histories: Sequence[Sequence[int]],
     generators: Sequence[torch.Generator | None],
     prompt_lens: Sequence[int] | None = None,
+    scores: Tensor | None = None,
 ) -> SampleResult:
     """Pick one token per row of `logits` [B, V] (float32).
 
@@ -97,7 +100,9 @@ def sample(
     penalties); `prompt_lens[i]` says where its generated part starts. Without
     `prompt_lens` the whole history counts as generated for the presence and
     frequency penalties. A sampled row whose generator is None draws from
-    torch's global generator and is not reproducible.
+    torch's global generator and is not reproducible. `scores`, when given, are
+    the logits after the engine's controls (strata/engine/controls.py): tokens
+    are picked from them, logprobs still come from the raw `logits`.
     """
     batch, vocab = logits.shape
     if not len(params) == len(histories) == len(generators) == batch:
@@ -105,19 +110,19 @@ def sample(
     if prompt_lens is not None and len(prompt_lens) != batch:
         raise ValueError("sample: one prompt length per logits row")
     logits = logits.float()
+    scores = logits if scores is None else scores.float()
     lp_rows = [i for i, p in enumerate(params) if p.logprobs is not None]
     pen_rows = [i for i, p in enumerate(params) if has_penalties(p)]
     drawn_rows = [i for i, p in enumerate(params) if not p.greedy]
     if not (lp_rows or pen_rows or drawn_rows):
-        return SampleResult(logits.argmax(dim=-1), [None] * batch)
+        return SampleResult(scores.argmax(dim=-1), [None] * batch)
 
     device = logits.device
-    scores = logits
     if pen_rows:
-        scores = logits.clone()
+        base, scores = scores, scores.clone()
         idx = torch.tensor(pen_rows, device=device)
         scores[idx] = apply_penalties(
-            logits[idx],
+            base[idx],
             [params[i] for i in pen_rows],
             [histories[i] for i in pen_rows],
             None if prompt_lens is None else [prompt_lens[i] for i in pen_rows],

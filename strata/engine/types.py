@@ -33,6 +33,10 @@ class SamplingParams:
     stop_token_ids: list[int] = field(default_factory=list)  # in addition to the model's EOS
     ignore_eos: bool = False
     logprobs: int | None = None  # None: no logprobs; k >= 0: chosen token plus k top alternatives
+    grammar: str | None = None  # llguidance grammar text (strata/engine/grammar.py) the output must match
+    min_tokens: int = 0  # before this many tokens, stop tokens are masked and stop strings ignored
+    logit_bias: dict[int, float] = field(default_factory=dict)  # token id -> added to its logit (-100..100)
+    progress: bool = False  # publish PromptProgress events while the prompt is read
 
     @property
     def greedy(self) -> bool:
@@ -48,12 +52,22 @@ class TokenLogprob:
 
 
 @dataclass
+class PromptProgress:
+    """How far a request's prompt has been read: for clients that show progress on long prompts."""
+
+    total: int  # prompt tokens
+    cached: int  # of those, reused from a cached conversation
+    processed: int  # of those, whose K/V is in the lane (cached ones included)
+
+
+@dataclass
 class StreamEvent:
     """One step of one request's output.
 
     `text` is the newly decodable text (never a broken UTF-8 sequence; stop
     strings are held back until they can be ruled out). The last event of a
-    request has `finish_reason` set.
+    request has `finish_reason` set. With `SamplingParams.progress`, events
+    with only `progress` set come while the prompt is read.
     """
 
     text: str
@@ -65,3 +79,4 @@ class StreamEvent:
     cached_tokens: int = 0  # prompt tokens reused from a cached conversation
     logprobs: list[TokenLogprob] = field(default_factory=list)
     stop_string: str | None = None  # the stop string that ended generation, if any
+    progress: PromptProgress | None = None  # set on prompt-progress events (no text, no tokens)

@@ -46,3 +46,26 @@ def test_default_weights_on_the_cpu_follow_the_file(loaded) -> None:
     """The embedded file is Q4_1: its projections are held as int4, never fewer bits."""
     assert loaded.weights == "int4"
     assert loaded.identity.endswith("+int4")
+
+
+def test_json_schema_answer(loaded) -> None:
+    """A real model under a schema answers in valid JSON; unconstrained it does not follow the schema."""
+    import json
+
+    import jsonschema
+
+    from strata.engine.grammar import json_schema_grammar
+
+    schema = {"type": "object", "additionalProperties": False, "required": ["name", "age", "city"],
+              "properties": {"name": {"type": "string", "maxLength": 20},
+                             "age": {"type": "integer", "minimum": 0, "maximum": 120},
+                             "city": {"enum": ["Paris", "London", "Rome"]}}}
+    prompt = _chat(loaded, "Describe a person with a name, an age and a city, as JSON.")
+    with Engine(EngineConfig(max_context=512), loaded=loaded) as eng:
+        grammar = json_schema_grammar(schema, param="response_format")
+        r = eng.complete(prompt, SamplingParams(max_tokens=80, grammar=grammar))
+        free = eng.complete(prompt, SamplingParams(max_tokens=80))
+    assert r.finish_reason.value == "stop"
+    jsonschema.validate(json.loads(r.text), schema)
+    with pytest.raises((ValueError, jsonschema.ValidationError)):
+        jsonschema.validate(json.loads(free.text), schema)
