@@ -16,7 +16,6 @@ from fastapi import APIRouter, Request
 from starlette.responses import JSONResponse, Response
 
 from strata.engine.types import FinishReason, StreamEvent
-from strata.errors import StrataError
 from strata.serve import generation as g
 from strata.serve.request_body import read_body
 from strata.serve.reasoning import ThinkSplitter, prompt_opens_thinking
@@ -31,7 +30,7 @@ from strata.serve.schemas_anthropic import (
     ToolUseBlock,
 )
 from strata.serve.state import ServeState, request_info, serve_state
-from strata.serve.tool_use import ChatSetup, ToolRequest, check_grammar, new_id, prepare_chat
+from strata.serve.tool_use import ChatSetup, ToolRequest, chat_setup, new_id
 from strata.serve.tools import (
     ArgsPiece,
     CallStart,
@@ -102,14 +101,8 @@ async def _render(state: ServeState, req: PromptFields) -> tuple[str, list[int],
     """The prompt text and ids, and what the answer's parsing and grammar need."""
     engine = state.ready_engine()
     schema = req.output_format() if isinstance(req, MessagesRequest) else None
-    tools = _tool_request(req)
-    try:
-        setup = prepare_chat(g.tokenizer_of(engine), _template_messages(req), tools, schema,
-                             "output_config.format.schema")
-    except StrataError as exc:
-        raise g.as_api_error(exc) from None
-    if isinstance(req, MessagesRequest):
-        await check_grammar(engine, setup, "tools" if schema is None else "output_config.format")
+    setup = await chat_setup(engine, _template_messages(req), _tool_request(req), schema,
+                             "output_config.format")
     kwargs: dict[str, Any] = dict(setup.template_kwargs)
     enable = req.enable_thinking()
     if enable is not None:
@@ -171,11 +164,12 @@ async def messages(request: Request) -> Response:
     mid = f"msg_{uuid.uuid4().hex[:24]}"
     splitter = ThinkSplitter(opens)
     omit = req.omit_thinking()
+    ids = new_id("toolu_")
     if req.stream:
-        blocks = _Blocks(omit, setup.stream(new_id("toolu_")))
+        blocks = _Blocks(omit, setup.stream(ids))
         return g.sse(gen, _stream(request, gen, splitter, mid, state, blocks))
     out = await g.collect_all(request, gen, splitter)
-    parsed = setup.parse(out.content)
+    parsed = setup.parse(out.content, ids)
     content: list[dict[str, Any]] = []
     if out.reasoning:
         content.append({"type": "thinking", "thinking": "" if omit else out.reasoning, "signature": ""})

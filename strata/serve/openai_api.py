@@ -13,7 +13,6 @@ from fastapi import APIRouter, Request
 from starlette.responses import JSONResponse, Response
 
 from strata.engine.types import StreamEvent
-from strata.errors import StrataError
 from strata.serve import generation as g
 from strata.serve import openai_format as fmt
 from strata.serve.errors import ApiError
@@ -31,7 +30,7 @@ from strata.serve.schemas_openai import (
     SamplingFields,
 )
 from strata.serve.state import ServeState, request_info, serve_state
-from strata.serve.tool_use import ChatSetup, ToolRequest, check_grammar, new_id, prepare_chat
+from strata.serve.tool_use import ChatSetup, ToolRequest, chat_setup, new_id
 from strata.serve.tools import CallStart, Tool, ToolCall, ToolStream, assistant_with_calls, tool_result
 
 router = APIRouter()
@@ -157,14 +156,8 @@ def _with_stop_string(event: StreamEvent, include: bool) -> StreamEvent:
 
 async def _chat_setup(engine: Any, req: ChatCompletionRequest) -> ChatSetup:
     schema = req.response_format.answer_schema() if req.response_format is not None else None
-    param = "tools" if _tool_request(req) is not None and schema is None else "response_format"
-    try:
-        setup = prepare_chat(g.tokenizer_of(engine), _template_messages(req.messages), _tool_request(req),
-                             schema, "response_format.json_schema")
-    except StrataError as exc:
-        raise g.as_api_error(exc) from None
-    await check_grammar(engine, setup, param)
-    return setup
+    return await chat_setup(engine, _template_messages(req.messages), _tool_request(req), schema,
+                            "response_format")
 
 
 @router.post("/v1/chat/completions")
@@ -188,13 +181,14 @@ async def chat_completions(request: Request) -> Response:
     kind = "chat.completion.chunk" if req.stream else "chat.completion"
     reply = _Reply(f"chatcmpl-{uuid.uuid4().hex}", kind, int(time.time()), state.model_name,
                    req.include_usage())
+    ids = new_id("call_")
     if req.stream:
-        chunks = _ChatChunks(reply, setup.stream(new_id("call_")), req, top)
+        chunks = _ChatChunks(reply, setup.stream(ids), req, top)
         return g.sse(gen, g.event_stream(request, gen, [chunks.head()], lambda e: chunks.each(splitter, e),
                                          lambda: reply.tail(gen), beat=KEEPALIVE, every=state.keepalive_s))
     out = await g.collect_all(request, gen, splitter)
     stop = out.final.stop_string if req.include_stop_str_in_output else None
-    parsed = setup.parse(out.content + (stop or ""))
+    parsed = setup.parse(out.content + (stop or ""), ids)
     message: dict[str, Any] = {"role": "assistant", "content": parsed.content, "refusal": None}
     if parsed.calls:
         message["content"] = parsed.content or None

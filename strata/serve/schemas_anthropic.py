@@ -141,7 +141,7 @@ class ToolChoice(_Strict):
     @model_validator(mode="after")
     def _name_for_tool(self) -> "ToolChoice":
         if (self.type == "tool") != (self.name is not None):
-            raise FieldError("tool_choice.name", "tool_choice type 'tool' needs a name, and only it")
+            raise FieldError("name", "tool_choice type 'tool' needs a name, and only it")
         return self
 
 

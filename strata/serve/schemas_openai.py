@@ -128,9 +128,9 @@ class ResponseFormat(_Strict):
     @model_validator(mode="after")
     def _schema_for_type(self) -> "ResponseFormat":
         if self.type == "json_schema" and self.json_schema is None:
-            raise FieldError("response_format.json_schema", "type json_schema needs a json_schema object")
+            raise FieldError("json_schema", "type json_schema needs a json_schema object")
         if self.type != "json_schema" and self.json_schema is not None:
-            raise FieldError("response_format.json_schema", f"json_schema is not used with type {self.type}")
+            raise FieldError("json_schema", f"json_schema is not used with type {self.type}")
         return self
 
     def answer_schema(self) -> dict[str, Any] | bool | None:

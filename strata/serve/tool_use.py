@@ -19,16 +19,16 @@ from typing import Any, Literal
 from starlette.concurrency import run_in_threadpool
 
 from strata.engine.grammar import json_schema_grammar, lark_grammar
+from strata.errors import StrataError
 from strata.serve.errors import ApiError
+from strata.serve.generation import as_api_error, tokenizer_of
 from strata.serve.tools import (
     Parsed,
     Tool,
-    ToolCall,
     ToolFormat,
     ToolStream,
     format_for_template,
-    generic_messages,
-    template_tools,
+    special_ids_for,
 )
 
 Choice = Literal["none", "auto", "required"]
@@ -52,6 +52,10 @@ class ToolRequest:
     def forced(self) -> bool:
         return self.choice == "required" or self.named is not None
 
+    @property
+    def offered(self) -> bool:
+        return bool(self.tools) and self.choice != "none"
+
     def callable_tools(self) -> list[Tool]:
         return [t for t in self.tools if self.named is None or t.name == self.named]
 
@@ -63,75 +67,71 @@ class ChatSetup:
     messages: list[dict[str, Any]]
     template_tools: list[dict[str, Any]] | None = None
     grammar: str | None = None
+    grammar_param: str = "response_format"  # the field a bad grammar is blamed on
     format: ToolFormat | None = None  # set when the answer may hold tool calls
     names: set[str] = field(default_factory=set)
     template_kwargs: dict[str, Any] = field(default_factory=dict)
 
-    def parse(self, text: str) -> Parsed:
+    def parse(self, text: str, ids: Callable[[], str]) -> Parsed:
         if self.format is None:
             return Parsed(text, [])
-        return self.format.parse(text, self.names)
+        return self.format.parse(text, self.names, ids)
 
     def stream(self, ids: Callable[[], str]) -> ToolStream | None:
         return None if self.format is None else self.format.stream(self.names, ids)
 
 
 def chat_template_of(tokenizer: Any) -> str | None:
+    """The template that will render a request with tools (a `tool_use` variant if there is one)."""
     templates = getattr(tokenizer, "chat_templates", None) or {}
     return templates.get("tool_use") or getattr(tokenizer, "chat_template", None)
 
 
 def prepare_chat(
-    tokenizer: Any,
+    engine: Any,
     messages: list[dict[str, Any]],
     tools: ToolRequest | None,
     answer_schema: dict[str, Any] | bool | None,
     schema_param: str,
 ) -> ChatSetup:
-    """Messages, template tools and grammar for one request (pure; checked by `check_grammar`)."""
+    """Messages, template tools and grammar for one request (blocking: run it off the event loop).
+
+    A conversation with earlier calls or results goes through the format even
+    when this request offers no tools, so the template sees them in its shape.
+    """
     setup = ChatSetup(messages)
     has_history = any(m.get("tool_calls") or m.get("role") == "tool" for m in messages)
-    if tools is None and not has_history:
-        if answer_schema is not None:
-            setup.grammar = json_schema_grammar(answer_schema, param=schema_param)
-        return setup
-    fmt = format_for_template(chat_template_of(tokenizer))
-    offered = tools is not None and tools.tools and tools.choice != "none"
-    if fmt.name == "generic":
-        setup.messages = generic_messages(messages, tools.tools if offered and tools else [])
-    elif offered and tools is not None:
-        setup.template_tools = template_tools(tools.tools)
-    if offered and tools is not None:
-        setup.format = fmt
-        setup.names = {t.name for t in tools.tools}
-        if tools.forced:
-            setup.grammar = lark_grammar(fmt.call_grammar(
-                tools.callable_tools(), parallel=tools.parallel, special=special_token_check(tokenizer)))
-            # thinking would be forced into the call's shape: the call comes first
+    if tools is not None or has_history:
+        fmt = format_for_template(chat_template_of(tokenizer_of(engine)))
+        offered = tools.tools if tools is not None and tools.offered else []
+        rendered = fmt.for_template(messages, offered)
+        setup.messages, setup.template_tools = rendered.messages, rendered.tools
+        if tools is not None and tools.offered:
+            setup.format = fmt
+            setup.names = {t.name for t in tools.tools}
+        if tools is not None and tools.offered and tools.forced:
+            special = special_ids_for(fmt.markers, engine.grammars.lltokenizer("tools"))
+            setup.grammar = lark_grammar(fmt.call_grammar(tools.callable_tools(), parallel=tools.parallel,
+                                                          special_ids=special))
+            setup.grammar_param = "tools"
+            # thinking would have to take the call's shape: the call comes first
             setup.template_kwargs["enable_thinking"] = False
     if answer_schema is not None and setup.grammar is None:
         setup.grammar = json_schema_grammar(answer_schema, param=schema_param)
+        setup.grammar_param = schema_param
+    if setup.grammar is not None:
+        engine.grammars.check(setup.grammar, setup.grammar_param)
     return setup
 
 
-def special_token_check(tokenizer: Any) -> Callable[[str], int | None]:
-    """The id of `text` when it is one special token of the vocabulary (call markers often are)."""
-    def check(text: str) -> int | None:
-        special = getattr(tokenizer, "special_id", None)
-        return special(text) if special is not None else None
-    return check
-
-
-async def check_grammar(engine: Any, setup: ChatSetup, param: str) -> None:
-    """An invalid schema or grammar is the client's 400, found before the engine sees it."""
-    if setup.grammar is None:
-        return
-    grammars = getattr(engine, "grammars", None)
-    if grammars is None:
-        raise ApiError(400, "this engine cannot constrain output to a grammar", param=param)
-    await run_in_threadpool(grammars.check, setup.grammar, param)
-
-
-def calls_finish(calls: list[ToolCall], finished_by_length: bool) -> bool:
-    """Whether an answer ends as a tool call (a cut-off answer keeps its `length`)."""
-    return bool(calls) and not finished_by_length
+async def chat_setup(
+    engine: Any, messages: list[dict[str, Any]], tools: ToolRequest | None,
+    answer_schema: dict[str, Any] | bool | None, schema_param: str,
+) -> ChatSetup:
+    """`prepare_chat` off the event loop; a schema or grammar the compiler refuses is a 400."""
+    if (answer_schema is not None or tools is not None and tools.forced) and getattr(engine, "grammars", None) is None:
+        raise ApiError(400, "this engine cannot constrain output to a grammar", param=schema_param)
+    try:
+        return await run_in_threadpool(prepare_chat, engine, messages, tools, answer_schema, schema_param)
+    except StrataError as exc:
+        raise as_api_error(exc) from None

@@ -196,6 +196,11 @@ class FakeGrammars:
         self.checked: list[tuple[str, str]] = []
         self.bad: str | None = None
 
+    def lltokenizer(self, param: str) -> SimpleNamespace:
+        """No single-token markers: the fake's tokens are characters."""
+        return SimpleNamespace(tokenize_str=lambda text, parse_special=False: [0] * len(text),
+                               is_special_token=lambda token: False)
+
     def check(self, grammar: str, param: str) -> None:
         self.checked.append((grammar, param))
         if self.bad is not None:

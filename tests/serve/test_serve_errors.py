@@ -58,7 +58,9 @@ def test_malformed_json_both_shapes(http: httpx.Client) -> None:
     ({"messages": USER, "stream_options": {"include_usage": True}}, "stream_options", "only allowed when stream"),
     ({"messages": USER, "top_logprobs": 2}, "top_logprobs", "requires logprobs"),
     ({"messages": USER, "stop": ["", "x"]}, "stop", "must not be empty"),
-    ({"messages": [{"role": "tool", "content": "x"}]}, "messages[0]", "tool calling is not implemented"),
+    ({"messages": [{"role": "tool", "content": "x"}]}, "messages[0].tool_call_id", "needs the tool_call_id"),
+    ({"messages": [{"role": "user", "content": "x", "tool_calls": [{"id": "c", "function": {"name": "f", "arguments": "{}"}}]}]},
+     "messages[0].tool_calls", "only assistant messages"),
 ])
 def test_bad_openai_fields_name_the_field(http: httpx.Client, body: dict, param: str, words: str) -> None:
     err = oai_error(http.post(CHAT, json={"model": "m", **body}), 400)
@@ -69,8 +71,8 @@ def test_bad_openai_fields_name_the_field(http: httpx.Client, body: dict, param:
 
 
 @pytest.mark.parametrize("field, value", [
-    ("n", 2), ("tools", [{"type": "function", "function": {"name": "f"}}]), ("logit_bias", {"5": 1}),
-    ("response_format", {"type": "json_object"}), ("reasoning_effort", "high"),
+    ("n", 2), ("functions", [{"name": "f"}]), ("typical_p", 0.5), ("modalities", ["audio"]),
+    ("reasoning_effort", "high"),
 ])
 def test_unimplemented_openai_fields_are_refused_not_ignored(http: httpx.Client, field: str, value: Any) -> None:
     err = oai_error(http.post(CHAT, json={"model": "m", "messages": USER, field: value}), 400)
@@ -92,7 +94,8 @@ def test_completions_refusals(http: httpx.Client) -> None:
 
 @pytest.mark.parametrize("body, words", [
     ({"messages": USER}, "Missing required field: 'max_tokens'"),
-    ({"messages": USER, "max_tokens": 5, "tools": [{"name": "f"}]}, "'tools' is not supported"),
+    ({"messages": USER, "max_tokens": 5, "tools": [{"name": "f"}]}, "'tools[0].input_schema'"),
+    ({"messages": USER, "max_tokens": 5, "mcp_servers": [{"url": "x"}]}, "'mcp_servers' is not supported"),
     ({"messages": USER, "max_tokens": 5, "top_k": -1}, "'top_k'"),
     ({"messages": [{"role": "user", "content": [{"type": "image", "source": {}}]}], "max_tokens": 5},
      "'image' is not supported"),

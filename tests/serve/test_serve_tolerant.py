@@ -64,9 +64,9 @@ def test_fields_that_would_change_the_answer_stay_refused(http: httpx.Client, fi
 
 def test_include_stop_str_in_output(http: httpx.Client, engine: FakeEngine) -> None:
     engine.reply = "one two three four"
-    r = chat(http, stop=["three"], include_stop_str_in_output=True)
+    r = chat(http, stop=["three"], include_stop_str_in_output=True, max_tokens=50)
     assert r.json()["choices"][0]["message"]["content"] == "one two three"
-    assert chat(http, stop=["three"]).json()["choices"][0]["message"]["content"] == "one two "
+    assert chat(http, stop=["three"], max_tokens=50).json()["choices"][0]["message"]["content"] == "one two "
     with http.stream("POST", CHAT, json={"model": "m", "messages": USER, "stream": True, "stop": ["three"],
                                          "include_stop_str_in_output": True}) as s:
         text = "".join(_deltas(s.iter_lines()))

@@ -29,6 +29,12 @@ TWO_CALLS = CALL + '\n<tool_call>\n{"name": "get_time", "arguments": {}}\n</tool
 USER = [{"role": "user", "content": "Weather in Paris?"}]
 
 
+@pytest.fixture(scope="module")
+def engine() -> FakeEngine:
+    """Room for the tool instruction: the fake's tokens are characters."""
+    return FakeEngine(max_context=16384)
+
+
 def _system(engine: FakeEngine) -> str:
     messages = engine.tokenizer.template_calls[-1]["messages"]
     return messages[0]["content"] if messages[0]["role"] == "system" else ""
@@ -38,7 +44,7 @@ def test_openai_call_whole_and_streamed(oai: openai.OpenAI, engine: FakeEngine) 
     engine.reply = "Let me look. " + TWO_CALLS
     whole = oai.chat.completions.create(model="m", messages=USER, tools=OAI_TOOLS)
     choice = whole.choices[0]
-    assert choice.finish_reason == "tool_calls" and choice.message.content == "Let me look. "
+    assert choice.finish_reason == "tool_calls" and choice.message.content == "Let me look."
     calls = choice.message.tool_calls
     assert [c.function.name for c in calls] == ["get_weather", "get_time"]
     assert json.loads(calls[0].function.arguments) == {"city": 'Paris "{}"', "days": 2}
@@ -47,7 +53,7 @@ def test_openai_call_whole_and_streamed(oai: openai.OpenAI, engine: FakeEngine) 
     with oai.chat.completions.stream(model="m", messages=USER, tools=OAI_TOOLS) as stream:
         final = stream.get_final_completion()
     streamed = final.choices[0]
-    assert streamed.finish_reason == "tool_calls" and streamed.message.content == "Let me look. "
+    assert streamed.finish_reason == "tool_calls" and streamed.message.content == "Let me look."
     assert [(c.function.name, c.function.arguments) for c in streamed.message.tool_calls] == [
         (c.function.name, c.function.arguments) for c in calls]
 
@@ -66,7 +72,7 @@ def test_openai_raw_stream_deltas_follow_the_sdk_shape(http: httpx.Client, engin
 
 
 def test_malformed_call_and_tool_choice_none_come_back_as_text(oai: openai.OpenAI, engine: FakeEngine) -> None:
-    engine.reply = '<tool_call>\n{"name": "get_weather", "arguments": {"city": \n</tool_call>'
+    engine.reply = '<tool_call>\n{"name": "get_weather" "arguments": {"city": "x"}}\n</tool_call>'
     r = oai.chat.completions.create(model="m", messages=USER, tools=OAI_TOOLS)
     assert r.choices[0].finish_reason == "stop" and r.choices[0].message.tool_calls is None
     assert r.choices[0].message.content == engine.reply
@@ -126,7 +132,7 @@ def test_response_format_becomes_a_grammar(http: httpx.Client, engine: FakeEngin
 @pytest.mark.parametrize("fields,param", [
     ({"tool_choice": {"type": "function", "function": {"name": "nope"}}}, "tool_choice.function.name"),
     ({"tools": OAI_TOOLS + OAI_TOOLS[:1]}, "tools"),
-    ({"tools": [{"type": "function", "function": {"name": "bad name!"}}]}, "tools.0.function.name"),
+    ({"tools": [{"type": "function", "function": {"name": "bad name!"}}]}, "tools[0].function.name"),
     ({"tools": None, "tool_choice": "required"}, "tool_choice"),
     ({"response_format": {"type": "json_schema"}}, "response_format.json_schema"),
     ({"tool_choice": "required", "response_format": {"type": "json_object"}}, "response_format"),
@@ -155,7 +161,7 @@ def test_anthropic_tool_use_whole_and_streamed(claude: anthropic.Anthropic, engi
     with claude.messages.stream(model="m", max_tokens=200, messages=USER, tools=CLAUDE_TOOLS) as stream:
         streamed = stream.get_final_message()
     assert streamed.stop_reason == "tool_use" and [b.type for b in streamed.content] == ["text", "tool_use"]
-    assert streamed.content[0].text == "Checking. " and streamed.content[1].input == use.input
+    assert streamed.content[0].text == "Checking." and streamed.content[1].input == use.input
 
 
 def test_anthropic_tool_loop_and_choices(claude: anthropic.Anthropic, engine: FakeEngine) -> None:
