@@ -30,7 +30,8 @@ class IncrementalDetokenizer:
     With `prompt_ids`, the output continues the prompt's text (a SentencePiece
     token "▁Hi" after the prompt gives " Hi"); without, it starts the text, so
     everything pushed concatenates to tokenizer.decode(ids). Special tokens
-    produce no text.
+    produce no text, except the tool-call markers (`Tokenizer.text_special_ids`),
+    which the server must see to find the calls.
     """
 
     def __init__(self, tokenizer: Tokenizer, prompt_ids: Sequence[int] | None = None) -> None:
@@ -38,9 +39,15 @@ class IncrementalDetokenizer:
         self._ids: list[int] = list(prompt_ids[-PROMPT_CONTEXT:]) if prompt_ids else []
         self._start = 0  # window start: text before it has been emitted
         self._read = len(self._ids)  # ids before this are covered by emitted text
+        self._kept = getattr(tokenizer, "text_special_ids", frozenset())
 
     def push(self, token_id: int) -> str:
         """Text that became final with this token ("" while a character is incomplete)."""
+        if token_id in self._kept:  # the text so far, then the marker; the window restarts after it
+            head = self.flush()
+            self._ids.append(token_id)
+            self._advance()
+            return head + self._tokenizer.token_text(token_id)
         self._ids.append(token_id)
         done = self._decode(self._start, self._read)
         text = self._decode(self._start, len(self._ids))

@@ -22,6 +22,10 @@ from strata.tokenizer.gguf_vocab import build_gguf_vocab
 
 # Tokens that end an assistant turn in common chat formats; they stop generation
 # when the vocabulary has them as added tokens.
+# Special tokens that are part of an answer's text: the tool-call markers the server parses
+# (Mistral's, Llama 3.1's, Hermes'). Every other special token decodes to nothing.
+TEXT_MARKERS = ("[TOOL_CALLS]", "[ARGS]", "[CALL_ID]", "<|python_tag|>", "<tool_call>", "</tool_call>")
+
 END_OF_TURN_TOKENS = (
     "<|im_end|>",
     "<|eot_id|>",
@@ -73,6 +77,8 @@ class Tokenizer:
             if token_id is not None and token_id in self._added:
                 stops.add(token_id)
         self.stop_token_ids: set[int] = stops
+        self.text_special_ids = frozenset(
+            i for i in (backend.token_to_id(t) for t in TEXT_MARKERS) if i is not None and i in self._special_ids)
 
         self.chat_templates = dict(chat_templates or {})
         self.chat_template: str | None = self.chat_templates.get("default")

@@ -75,19 +75,19 @@ def test_openai_tool_loop(smol: ServeProcess) -> None:
 def test_anthropic_tool_loop(smol: ServeProcess) -> None:
     client = smol.claude()
     first = client.messages.create(model="m", max_tokens=120, messages=ASK, tools=CLAUDE_TOOLS,
-                                   tool_choice={"type": "any"}, temperature=0)
+                                   tool_choice={"type": "any"}, extra_body={"temperature": 0})
     assert first.stop_reason == "tool_use"
     use = next(b for b in first.content if b.type == "tool_use")
     jsonschema.validate(use.input, WEATHER)
     with client.messages.stream(model="m", max_tokens=120, messages=ASK, tools=CLAUDE_TOOLS,
-                                tool_choice={"type": "tool", "name": "get_weather"}, temperature=0) as stream:
+                                tool_choice={"type": "tool", "name": "get_weather"}, extra_body={"temperature": 0}) as stream:
         streamed = stream.get_final_message()
     assert next(b for b in streamed.content if b.type == "tool_use").input == use.input
     history = [*ASK, {"role": "assistant", "content": first.content},
                {"role": "user", "content": [{"type": "tool_result", "tool_use_id": use.id,
                                              "content": "Sunny, 21 C"}]}]
     final = client.messages.create(model="m", max_tokens=40, messages=history, tools=CLAUDE_TOOLS,
-                                   temperature=0)
+                                   extra_body={"temperature": 0})
     assert final.stop_reason in ("end_turn", "max_tokens") and final.content[0].text
 
 

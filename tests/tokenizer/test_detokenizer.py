@@ -81,3 +81,17 @@ def test_work_per_token_does_not_grow(smol: Tokenizer) -> None:
     assert len(ids) > 400
     assert max(counting.sizes) <= 8
     assert len(counting.sizes) <= 2 * len(ids) + 2
+
+
+def test_tool_call_markers_stay_in_the_text_other_special_tokens_do_not(smol: Tokenizer) -> None:
+    from tokenizers import AddedToken
+    from tokenizers import Tokenizer as Backend
+
+    backend = Backend.from_str(smol.backend.to_str())
+    backend.add_special_tokens([AddedToken("[TOOL_CALLS]", special=True), AddedToken("<|secret|>", special=True)])
+    tok = Tokenizer(backend, source="test", special_tokens={"eos_token": "<|im_end|>"})
+    marker, secret = backend.token_to_id("[TOOL_CALLS]"), backend.token_to_id("<|secret|>")
+    assert tok.text_special_ids == {marker}
+    ids = tok.encode("Sure.") + [marker] + tok.encode('[{"name": "f"}]') + [secret] + tok.encode(" end")
+    text = "".join(_stream(IncrementalDetokenizer(tok), ids))
+    assert text == 'Sure.[TOOL_CALLS][{"name": "f"}] end'
