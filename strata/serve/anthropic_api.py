@@ -17,8 +17,8 @@ from starlette.responses import JSONResponse, Response
 
 from strata.engine.types import FinishReason, StreamEvent
 from strata.serve import generation as g
-from strata.serve.request_body import read_body
 from strata.serve.reasoning import ThinkSplitter, prompt_opens_thinking
+from strata.serve.request_body import read_body
 from strata.serve.schemas_anthropic import (
     IGNORED_ANTHROPIC,
     UNSUPPORTED_MESSAGES,

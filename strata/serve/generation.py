@@ -20,8 +20,8 @@ from typing import Any
 from starlette.concurrency import run_in_threadpool
 from starlette.requests import Request
 
-from strata.errors import StrataError
 from strata.engine.types import FinishReason, SamplingParams, StreamEvent, TokenLogprob
+from strata.errors import StrataError
 from strata.serve.errors import ApiError, from_strata_error, sse_error_payload
 from strata.serve.metrics import ServeMetrics
 from strata.serve.reasoning import CLOSE_TAG, ThinkSplitter

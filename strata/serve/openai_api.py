@@ -16,13 +16,13 @@ from strata.engine.types import StreamEvent
 from strata.serve import generation as g
 from strata.serve import openai_format as fmt
 from strata.serve.errors import ApiError
-from strata.serve.request_body import read_body
 from strata.serve.reasoning import ThinkSplitter, prompt_opens_thinking
+from strata.serve.request_body import read_body
 from strata.serve.schemas_openai import (
     COMPLETIONS_DEFAULT_MAX_TOKENS,
+    IGNORED_OPENAI,
     UNSUPPORTED_CHAT,
     UNSUPPORTED_COMPLETIONS,
-    IGNORED_OPENAI,
     ChatCompletionRequest,
     ChatMessage,
     CompletionRequest,
@@ -31,7 +31,14 @@ from strata.serve.schemas_openai import (
 )
 from strata.serve.state import ServeState, request_info, serve_state
 from strata.serve.tool_use import ChatSetup, ToolRequest, chat_setup, new_id
-from strata.serve.tools import CallStart, Tool, ToolCall, ToolStream, assistant_with_calls, tool_result
+from strata.serve.tools import (
+    CallStart,
+    Tool,
+    ToolCall,
+    ToolStream,
+    assistant_with_calls,
+    tool_result,
+)
 
 router = APIRouter()
 

@@ -15,8 +15,13 @@ import pytest
 
 from strata.engine.config import EngineConfig
 from strata.engine.engine import Engine
-from strata.engine.grammar import (GrammarError, json_object_grammar, json_schema_grammar, lark_grammar,
-                                   lark_json)
+from strata.engine.grammar import (
+    GrammarError,
+    json_object_grammar,
+    json_schema_grammar,
+    lark_grammar,
+    lark_json,
+)
 from strata.engine.types import FinishReason, SamplingParams
 
 PET = {

@@ -20,7 +20,13 @@ from typing import Any, ClassVar
 
 from strata.engine.config import EngineConfig
 from strata.engine.sessions import SessionFilesDisabled, SessionResult
-from strata.engine.types import FinishReason, PromptProgress, SamplingParams, StreamEvent, TokenLogprob
+from strata.engine.types import (
+    FinishReason,
+    PromptProgress,
+    SamplingParams,
+    StreamEvent,
+    TokenLogprob,
+)
 from strata.errors import BadRequest
 
 BOS, EOS = 1, 2

@@ -9,9 +9,9 @@ import anthropic
 import httpx
 import openai
 import pytest
-
 from conftest import API_KEY, ServerThread
 from fake_engine import FakeEngine
+
 from strata.errors import KvPoolFull, QueueFull
 from strata.serve import attach_engine, build_app
 
