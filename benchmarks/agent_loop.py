@@ -57,7 +57,7 @@ def run_loop(url: str, rounds: int, result_tokens: int) -> list[dict[str, Any]]:
         t0 = time.monotonic()
         first: float | None = None
         stream = client.chat.completions.create(
-            model="m", messages=messages, tools=TOOLS, tool_choice="required", max_tokens=40,
+            model="m", messages=messages, tools=TOOLS, tool_choice="required", max_tokens=80,
             temperature=0, stream=True, stream_options={"include_usage": True})
         calls: dict[int, dict[str, str]] = {}
         usage = None
@@ -114,10 +114,15 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--rounds", type=int, default=20)
     parser.add_argument("--result-tokens", type=int, default=200, help="tokens of each tool result")
+    parser.add_argument("--runs", default="prefix_reuse,no_prefix_reuse",
+                        help="which servers to run: prefix_reuse, no_prefix_reuse or both")
     args = parser.parse_args(own)
     logs = Path(tempfile.mkdtemp(prefix="agent-loop-"))
     runs = {}
+    chosen = set(args.runs.split(","))
     for name, extra in (("prefix_reuse", []), ("no_prefix_reuse", ["--no-prefix-reuse"])):
+        if name not in chosen:
+            continue
         rounds = _serve_and_loop([*flags, *extra], args.rounds, args.result_tokens, logs / f"{name}.log")
         last = rounds[len(rounds) // 2:]
         runs[name] = {"rounds": rounds,

@@ -10,14 +10,13 @@
 //
 // Arithmetic: float32 throughout; exact two-pass softmax (max, then exp and
 // sum). With AVX-512 the 16-wide vectors below; elsewhere the same steps in
-// loops the compiler vectorizes (a different machine may round differently,
-// one machine never does). exp is a degree-6 polynomial after range reduction (about 1 ulp).
+// scalar code (a different machine may round differently, one machine never
+// does). exp is a degree-6 polynomial after range reduction (about 1 ulp).
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 
 #include <cmath>
 #include <cstdint>
-#include <cstring>
 #include <vector>
 
 #if defined(__AVX512F__)
@@ -163,56 +162,27 @@ void attend_row_fixed(const Q* q, const KV* k, const KV* v, int64_t cell_stride,
   }
 }
 #else
-// Without AVX-512 the same steps in plain loops written so that the compiler can
-// vectorize them (-march=native): independent partial sums instead of one running
-// sum, and an exp without branches or library calls, elementwise over the row.
-constexpr int64_t LANES = 8;
-
 template <typename T>
 inline void widen(const T* src, float* buf, int64_t D) {
   for (int64_t d = 0; d < D; ++d) buf[d] = static_cast<float>(src[d]);
 }
 
-// LANES partial sums (element d goes to d % LANES), added in one fixed order
 inline float dot(const float* a, const float* b, int64_t D) {
-  float part[LANES] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
-  int64_t d = 0;
-  for (; d + LANES <= D; d += LANES)
-    for (int64_t i = 0; i < LANES; ++i) part[i] += a[d + i] * b[d + i];
-  for (int64_t i = 0; d < D; ++d, ++i) part[i] += a[d] * b[d];
-  return ((part[0] + part[1]) + (part[2] + part[3])) + ((part[4] + part[5]) + (part[6] + part[7]));
-}
-
-// exp(x) for x <= 0: the AVX-512 path's range reduction and polynomial, 2^k from its bits
-inline float exp_nonpositive(float x) {
-  const bool keep = x >= EXP_FLOOR;
-  x = x > EXP_FLOOR ? x : EXP_FLOOR;
-  const float k = std::floor(x * LOG2E + 0.5f);
-  float r = x - k * LN2_HI;
-  r = r - k * LN2_LO;
-  float p = 1.0f / 720.0f;
-  p = p * r + 1.0f / 120.0f;
-  p = p * r + 1.0f / 24.0f;
-  p = p * r + 1.0f / 6.0f;
-  p = p * r + 0.5f;
-  p = p * r + 1.0f;
-  p = p * r + 1.0f;
-  const int32_t bits = (static_cast<int32_t>(k) + 127) << 23;  // k >= -126: a normal power of two
-  float two_k;
-  std::memcpy(&two_k, &bits, sizeof two_k);
-  return keep ? p * two_k : 0.f;
+  float acc = 0.f;
+  for (int64_t d = 0; d < D; ++d) acc += a[d] * b[d];
+  return acc;
 }
 
 inline float softmax_numerators(float* s, int64_t n) {
   float peak = -INFINITY;
   for (int64_t j = 0; j < n; ++j) peak = s[j] > peak ? s[j] : peak;
-  for (int64_t j = 0; j < n; ++j) s[j] = exp_nonpositive(s[j] - peak);
-  float part[LANES] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
-  int64_t j = 0;
-  for (; j + LANES <= n; j += LANES)
-    for (int64_t i = 0; i < LANES; ++i) part[i] += s[j + i];
-  for (int64_t i = 0; j < n; ++j, ++i) part[i] += s[j];
-  return ((part[0] + part[1]) + (part[2] + part[3])) + ((part[4] + part[5]) + (part[6] + part[7]));
+  float total = 0.f;
+  for (int64_t j = 0; j < n; ++j) {
+    const float x = s[j] - peak;
+    s[j] = x >= EXP_FLOOR ? std::exp(x) : 0.f;
+    total += s[j];
+  }
+  return total;
 }
 
 inline void axpy(float p, const float* x, float* y, int64_t D) {
