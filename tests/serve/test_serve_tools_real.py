@@ -55,14 +55,14 @@ def smol(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServeProcess]:
 def test_openai_tool_loop(smol: ServeProcess) -> None:
     client = smol.oai()
     first = client.chat.completions.create(model="m", messages=ASK, tools=OAI_TOOLS, tool_choice="required",
-                                           max_tokens=120, **GREEDY)
+                                           parallel_tool_calls=False, max_tokens=120, **GREEDY)
     choice = first.choices[0]
     assert choice.finish_reason == "tool_calls", choice
     call = choice.message.tool_calls[0]
     assert call.function.name == "get_weather"
     jsonschema.validate(json.loads(call.function.arguments), WEATHER)
     with client.chat.completions.stream(model="m", messages=ASK, tools=OAI_TOOLS, tool_choice="required",
-                                        max_tokens=120, **GREEDY) as stream:
+                                        parallel_tool_calls=False, max_tokens=120, **GREEDY) as stream:
         streamed = stream.get_final_completion().choices[0].message.tool_calls[0]
     assert (streamed.function.name, streamed.function.arguments) == (call.function.name, call.function.arguments)
     history = [*ASK, choice.message, {"role": "tool", "tool_call_id": call.id, "content": "Sunny, 21 C"}]
@@ -75,12 +75,13 @@ def test_openai_tool_loop(smol: ServeProcess) -> None:
 def test_anthropic_tool_loop(smol: ServeProcess) -> None:
     client = smol.claude()
     first = client.messages.create(model="m", max_tokens=120, messages=ASK, tools=CLAUDE_TOOLS,
-                                   tool_choice={"type": "any"}, extra_body={"temperature": 0})
+                                   tool_choice={"type": "any", "disable_parallel_tool_use": True}, extra_body={"temperature": 0})
     assert first.stop_reason == "tool_use"
     use = next(b for b in first.content if b.type == "tool_use")
     jsonschema.validate(use.input, WEATHER)
     with client.messages.stream(model="m", max_tokens=120, messages=ASK, tools=CLAUDE_TOOLS,
-                                tool_choice={"type": "tool", "name": "get_weather"}, extra_body={"temperature": 0}) as stream:
+                                tool_choice={"type": "tool", "name": "get_weather", "disable_parallel_tool_use": True},
+                                extra_body={"temperature": 0}) as stream:
         streamed = stream.get_final_message()
     assert next(b for b in streamed.content if b.type == "tool_use").input == use.input
     history = [*ASK, {"role": "assistant", "content": first.content},
