@@ -23,7 +23,7 @@ PREFIX = "strata_engine_"
 # Engine figures that only ever grow: exposed as counters (name_total).
 MONOTONIC_KEYS = {
     "prefix_reuse_hits", "prefix_tokens_reused", "refusals", "truncations", "evictions", "moves", "steps",
-    "pipelined_steps",
+    "pipelined_steps", "grammar_rows", "grammar_wait_s", "grammar_mask_s",
     "step_errors", "conversation_parks", "conversation_restores", "conversation_tokens_restored",
 }
 # The label used when a figure is a dict: chunks per session are keyed by lane.

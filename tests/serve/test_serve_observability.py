@@ -113,3 +113,13 @@ def test_disconnect_while_waiting_for_a_whole_answer(server: ServerThread, engin
     wait_for(lambda: len(engine.cancels) == 1)
     assert engine.cancels[0].events_sent < 50
     wait_for(lambda: metric(http.get("/metrics").text, "strata_engine_lanes_busy") == 0)
+
+
+def test_grammar_figures_are_counters() -> None:
+    from strata.serve.metrics import ServeMetrics
+
+    text = ServeMetrics(lambda: {"grammar_rows": 7, "grammar_wait_s": 0.5, "lanes_busy": 1}).render().decode()
+    assert "# TYPE strata_engine_grammar_rows_total counter" in text
+    assert "strata_engine_grammar_rows_total 7.0" in text
+    assert "strata_engine_grammar_wait_s_total 0.5" in text
+    assert "# TYPE strata_engine_lanes_busy gauge" in text
