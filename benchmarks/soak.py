@@ -22,7 +22,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import os
 import random
 import subprocess
 import sys
@@ -32,6 +31,8 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+
+from strata.knobs import text
 
 TOPICS = ["the sea", "hash tables", "the Moon", "France", "bread", "rain", "chess", "trains", "owls"]
 
@@ -186,7 +187,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--url", help="a running server (default: start one with the flags after --)")
     p.add_argument("--pid", type=int, help="the running server's process id, for its memory")
     p.add_argument("--port", type=int, default=8093)
-    p.add_argument("--api-key", default=os.environ.get("STRATA_API_KEY"))
+    p.add_argument("--api-key", default=text("STRATA_API_KEY"), help="the server's key (default: $STRATA_API_KEY)")
     p.add_argument("--log", default="soak-server.log", help="the started server's output")
     a = p.parse_args(argv)
     headers = {"Authorization": f"Bearer {a.api_key}"} if a.api_key else {}

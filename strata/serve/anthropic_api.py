@@ -100,9 +100,10 @@ def _tool_request(req: PromptFields) -> ToolRequest | None:
 async def _render(state: ServeState, req: PromptFields) -> tuple[str, list[int], ChatSetup]:
     """The prompt text and ids, and what the answer's parsing and grammar need."""
     engine = state.ready_engine()
-    schema = req.output_format() if isinstance(req, MessagesRequest) else None
+    answering = isinstance(req, MessagesRequest)  # count_tokens only renders
+    schema = req.output_format() if answering else None
     setup = await chat_setup(engine, _template_messages(req), _tool_request(req), schema,
-                             "output_config.format")
+                             "output_config.format", constrain=answering)
     kwargs: dict[str, Any] = dict(setup.template_kwargs)
     enable = req.enable_thinking()
     if enable is not None:

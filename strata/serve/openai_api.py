@@ -190,7 +190,7 @@ async def chat_completions(request: Request) -> Response:
                    req.include_usage())
     ids = new_id("call_")
     if req.stream:
-        chunks = _ChatChunks(reply, setup.stream(ids), req, top)
+        chunks = _ChatChunks(reply, setup.stream(ids), req, top, gen.started)
         return g.sse(gen, g.event_stream(request, gen, [chunks.head()], lambda e: chunks.each(splitter, e),
                                          lambda: reply.tail(gen), beat=KEEPALIVE, every=state.keepalive_s))
     out = await g.collect_all(request, gen, splitter)
@@ -209,13 +209,14 @@ async def chat_completions(request: Request) -> Response:
 class _ChatChunks:
     """The chunks of one streamed chat answer: reasoning, content and tool-call deltas."""
 
-    def __init__(self, reply: _Reply, tools: ToolStream | None, req: ChatCompletionRequest, top: int) -> None:
+    def __init__(self, reply: _Reply, tools: ToolStream | None, req: ChatCompletionRequest, top: int,
+                 started: float) -> None:
         self.reply = reply
         self.tools = tools
         self.req = req
         self.top = top
         self.calls = 0
-        self.started = time.monotonic()
+        self.started = started  # the request's arrival, for prompt_progress time_ms
 
     def chunk(self, delta: dict[str, Any], lps: Any = None, final: StreamEvent | None = None) -> str:
         return self.reply.chunk(_choice({"delta": delta}, lps, final, self.calls > 0))
@@ -299,7 +300,7 @@ def _completion_stream(
 ) -> AsyncIterator[str]:
     offset = 0  # of the next token in the whole completion's text, for text_offset
     logprobs = req.logprobs is not None
-    started = time.monotonic()
+    started = gen.started
 
     def each(event: StreamEvent) -> Iterator[str]:
         nonlocal offset

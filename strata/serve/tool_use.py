@@ -20,7 +20,6 @@ from starlette.concurrency import run_in_threadpool
 
 from strata.engine.grammar import json_schema_grammar, lark_grammar
 from strata.errors import StrataError
-from strata.serve.errors import ApiError
 from strata.serve.generation import as_api_error, tokenizer_of
 from strata.serve.tools import (
     Parsed,
@@ -60,16 +59,15 @@ class ToolRequest:
         return [t for t in self.tools if self.named is None or t.name == self.named]
 
 
-@dataclass
+@dataclass(frozen=True)
 class ChatSetup:
     """What the prompt builder decided: messages and tools for the template, the grammar, the parser."""
 
     messages: list[dict[str, Any]]
     template_tools: list[dict[str, Any]] | None = None
     grammar: str | None = None
-    grammar_param: str = "response_format"  # the field a bad grammar is blamed on
     format: ToolFormat | None = None  # set when the answer may hold tool calls
-    names: set[str] = field(default_factory=set)
+    names: frozenset[str] = frozenset()
     template_kwargs: dict[str, Any] = field(default_factory=dict)
 
     def parse(self, text: str, ids: Callable[[], str]) -> Parsed:
@@ -93,45 +91,50 @@ def prepare_chat(
     tools: ToolRequest | None,
     answer_schema: dict[str, Any] | bool | None,
     schema_param: str,
+    *,
+    constrain: bool = True,
 ) -> ChatSetup:
     """Messages, template tools and grammar for one request (blocking: run it off the event loop).
 
     A conversation with earlier calls or results goes through the format even
     when this request offers no tools, so the template sees them in its shape.
+    A forced call and an answer schema never come together (the request
+    schemas refuse that). `constrain=False` (token counting) builds no grammar.
     """
-    setup = ChatSetup(messages)
-    has_history = any(m.get("tool_calls") or m.get("role") == "tool" for m in messages)
-    if tools is not None or has_history:
-        fmt = format_for_template(chat_template_of(tokenizer_of(engine)))
-        offered = tools.tools if tools is not None and tools.offered else []
-        rendered = fmt.for_template(messages, offered)
-        setup.messages, setup.template_tools = rendered.messages, rendered.tools
-        if tools is not None and tools.offered:
-            setup.format = fmt
-            setup.names = {t.name for t in tools.tools}
-        if tools is not None and tools.offered and tools.forced:
-            special = special_ids_for(fmt.markers, engine.grammars.lltokenizer("tools"))
-            setup.grammar = lark_grammar(fmt.call_grammar(tools.callable_tools(), parallel=tools.parallel,
-                                                          special_ids=special))
-            setup.grammar_param = "tools"
-            # thinking would have to take the call's shape: the call comes first
-            setup.template_kwargs["enable_thinking"] = False
-    if answer_schema is not None and setup.grammar is None:
-        setup.grammar = json_schema_grammar(answer_schema, param=schema_param)
-        setup.grammar_param = schema_param
-    if setup.grammar is not None:
-        engine.grammars.check(setup.grammar, setup.grammar_param)
-    return setup
+    offered = tools.tools if tools is not None and tools.offered else []
+    forced = bool(offered) and tools is not None and tools.forced
+    grammar = None
+    if constrain and answer_schema is not None:
+        grammar = _checked(engine, json_schema_grammar(answer_schema, param=schema_param), schema_param)
+    if not offered and not any(m.get("tool_calls") or m.get("role") == "tool" for m in messages):
+        return ChatSetup(messages, grammar=grammar)
+    fmt = format_for_template(chat_template_of(tokenizer_of(engine)))
+    rendered = fmt.for_template(messages, offered)
+    if constrain and forced:
+        assert tools is not None
+        special = special_ids_for(fmt.markers, engine.grammars.lltokenizer("tools"))
+        call = fmt.call_grammar(tools.callable_tools(), parallel=tools.parallel, special_ids=special)
+        grammar = _checked(engine, lark_grammar(call), "tools")
+    return ChatSetup(
+        rendered.messages, rendered.tools, grammar, fmt if offered else None,
+        frozenset(t.name for t in offered),
+        # thinking would have to take the call's shape: the call comes first
+        {"enable_thinking": False} if forced else {},
+    )
+
+
+def _checked(engine: Any, grammar: str, param: str) -> str:
+    engine.grammars.check(grammar, param)
+    return grammar
 
 
 async def chat_setup(
     engine: Any, messages: list[dict[str, Any]], tools: ToolRequest | None,
-    answer_schema: dict[str, Any] | bool | None, schema_param: str,
+    answer_schema: dict[str, Any] | bool | None, schema_param: str, *, constrain: bool = True,
 ) -> ChatSetup:
     """`prepare_chat` off the event loop; a schema or grammar the compiler refuses is a 400."""
-    if (answer_schema is not None or tools is not None and tools.forced) and getattr(engine, "grammars", None) is None:
-        raise ApiError(400, "this engine cannot constrain output to a grammar", param=schema_param)
     try:
-        return await run_in_threadpool(prepare_chat, engine, messages, tools, answer_schema, schema_param)
+        return await run_in_threadpool(prepare_chat, engine, messages, tools, answer_schema, schema_param,
+                                       constrain=constrain)
     except StrataError as exc:
         raise as_api_error(exc) from None
