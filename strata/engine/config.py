@@ -32,6 +32,8 @@ class EngineConfig:
     prefix_reuse: bool = True  # reuse cached conversations' K/V (off: every prompt read from 0)
     pipeline: str = "auto"  # launch the next greedy decode step before post-processing this one:
     # auto (with CUDA-graph decode) | on | off
+    gpus: str | None = None  # layer split in this process over these devices: "0,1", "cpu,cpu"
+    split: str | None = None  # layers per --gpus stage ("16,16"); None = by free memory
 
 
 DEFAULT_KV_CHUNK = 4096
@@ -116,6 +118,12 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--pipeline", default=d.pipeline, choices=["auto", "on", "off"],
                    help="greedy decode: launch the next step before post-processing this one, so "
                         "the host's work overlaps the device's (auto: with CUDA-graph decode)")
+    s = parser.add_argument_group("layer split (docs/STAGES.md)")
+    s.add_argument("--gpus", default=d.gpus,
+                   help="split the model's layers over these devices in this process: GPU numbers "
+                        "(0,1), cuda:N, or cpu (cpu,cpu runs the same code without a GPU)")
+    s.add_argument("--split", default=d.split,
+                   help="layers per --gpus stage, e.g. 16,16 (default: by each device's free memory)")
 
 
 def config_from_args(args: argparse.Namespace) -> EngineConfig:

@@ -34,9 +34,9 @@ from strata.engine.types import FinishReason, PromptProgress, SamplingParams, St
 from strata.errors import BadRequest, ContextTooLong, ModelLoadError, QueueFull, StrataError
 from strata.knobs import knob_values
 from strata.kv.formats import make_format
-from strata.kv.pool import KvPool
-from strata.kv.stream import StreamedPool
+from strata.kv.tables import TablePool
 from strata.models import load_model
+from strata.parallel.build import LocalSplit, PoolShape, part_on
 from strata.tokenizer import IncrementalDetokenizer
 
 log = logging.getLogger("strata.engine")
@@ -83,8 +83,12 @@ class Engine:
         config = self.config
         if config.threads:
             torch.set_num_threads(config.threads)
+        split = LocalSplit(config.gpus, config.split) if config.gpus is not None else None
+        if split is not None and loaded is not None:
+            raise BadRequest("--gpus loads the model itself: pass no loaded model", "gpus")
         self.loaded = loaded or load_model(config.model, config.device, config.dtype,
-                                           weights=config.weights)
+                                           weights=config.weights,
+                                           place=split.place if split is not None else None)
         if self.loaded.tokenizer is None:
             raise ModelLoadError(self.loaded.path, "the model carries no tokenizer")
         if self.loaded.model.max_positions < config.max_context:
@@ -98,13 +102,14 @@ class Engine:
         kv_name = _KV_AUTO[self.dtype] if config.kv == "auto" else config.kv
         fmt = make_format(kv_name, mc.num_kv_heads, mc.head_dim)
         chunk = pool_chunk_size(config)
-        if config.kv_resident is not None:  # K/V in (pinned) host RAM, N cells per layer on the device
-            self.pool: KvPool = StreamedPool(fmt, mc.num_layers, config.parallel, config.max_context,
-                                             chunk, config.kv_pool_tokens, self.device,
-                                             resident_cells=config.kv_resident)
-        else:
-            self.pool = KvPool(fmt, mc.num_layers, config.parallel, config.max_context, chunk,
-                               config.kv_pool_tokens, self.device, pin=False)
+        shape = PoolShape(fmt, config.parallel, config.max_context, chunk, config.kv_pool_tokens,
+                          config.kv_resident)
+        self.pool: TablePool
+        if split is not None:  # one pool over the stages' parts, one runner through them
+            self.pool, self.runner = split.build(self.loaded.model, shape, mc.attn_scale)
+        else:  # K/V in (pinned) host RAM with --kv-resident, N cells per layer on the device
+            self.pool = part_on(shape, range(mc.num_layers), self.device, None)
+            self.runner = Runner(self.loaded.model, self.pool, mc.attn_scale, self.device)
         log.info("%s", describe_pool(config.parallel, self.pool.num_chunks, chunk, self.pool.total_bytes(),
                                      fmt.name, self.pool.shared))
         self.conversations: ConversationCache | None = None
@@ -115,7 +120,6 @@ class Engine:
             parking = Parking(self.pool, self.conversations)
         self.scheduler = Scheduler(self.pool, config.parallel, config.prefill_chunk,
                                    prefix_reuse=config.prefix_reuse, parking=parking)
-        self.runner = Runner(self.loaded.model, self.pool, mc.attn_scale, self.device)
         if config.pipeline not in ("auto", "on", "off"):
             raise BadRequest(f"--pipeline must be auto, on or off, not {config.pipeline!r}")
         # overlapping pays where the forward runs asynchronously (CUDA graphs); elsewhere it only

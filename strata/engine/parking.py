@@ -11,11 +11,11 @@ from __future__ import annotations
 from strata.engine.conversation_cache import ConversationCache, ParkedEntry
 from strata.engine.scheduler import Lane
 from strata.kv.formats import Storage
-from strata.kv.pool import KvPool
+from strata.kv.tables import TablePool
 
 
 class Parking:
-    def __init__(self, pool: KvPool, cache: ConversationCache) -> None:
+    def __init__(self, pool: TablePool, cache: ConversationCache) -> None:
         self.pool = pool
         self.cache = cache
         self.bytes_per_token = pool.bytes_per_cell()
@@ -56,6 +56,6 @@ class Parking:
         lane.tokens = entry.tokens[:n].tolist()
 
 
-def write_entry(pool: KvPool, lane: int, entry: ParkedEntry, n: int) -> None:
+def write_entry(pool: TablePool, lane: int, entry: ParkedEntry, n: int) -> None:
     """Copy the first n cells of a parked entry into `lane`'s reserved cells."""
     pool.import_range(lane, 0, [{k: t[:n] for k, t in runs.items()} for runs in entry.kv.layers()])

@@ -18,8 +18,8 @@ from typing import TYPE_CHECKING
 from strata.engine.request import Request
 from strata.errors import KvPoolFull
 from strata.kv.policy import IdleLane, choose_evictions
-from strata.kv.pool import KvPool
 from strata.kv.step import SeqSpec
+from strata.kv.tables import TablePool
 
 if TYPE_CHECKING:
     from strata.engine.parking import Parking
@@ -64,7 +64,7 @@ def common_prefix(a: list[int], b: list[int]) -> int:
 
 
 class Scheduler:
-    def __init__(self, pool: KvPool, lanes: int, prefill_chunk: int, retry_after: float = 1.0,
+    def __init__(self, pool: TablePool, lanes: int, prefill_chunk: int, retry_after: float = 1.0,
                  prefix_reuse: bool = True, parking: Parking | None = None) -> None:
         self.pool = pool
         self.prefix_reuse = prefix_reuse

@@ -58,7 +58,8 @@ class SessionFiles:
         self.session_dir = session_dir
         self.identity = model_identity
         self.vocab_size = vocab_size
-        self.layout = layout_of(self.pool.layers)  # fixed for the engine's life: safe to read anywhere
+        # fixed for the engine's life: safe to read anywhere; every layer's cells have the format's runs
+        self.layout = layout_of([self.pool.fmt.allocate(0, "cpu") for _ in range(self.pool.num_layers)])
 
     def _path(self, filename: str) -> Path:
         if self.session_dir is None:

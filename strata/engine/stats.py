@@ -9,7 +9,7 @@ from __future__ import annotations
 from typing import Any
 
 from strata.engine.scheduler import Scheduler
-from strata.kv.pool import KvPool
+from strata.kv.tables import TablePool
 
 
 def _lane_state(lane: Any) -> str:
@@ -18,7 +18,7 @@ def _lane_state(lane: Any) -> str:
     return "idle" if lane.tokens else "empty"
 
 
-def pool_and_lane_figures(sched: Scheduler, pool: KvPool) -> dict[str, Any]:
+def pool_and_lane_figures(sched: Scheduler, pool: TablePool) -> dict[str, Any]:
     """Cells and bytes of the pool, each lane's state, and what admission has done so far."""
     lanes = sched.lanes
     c = sched.counters

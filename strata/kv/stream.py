@@ -47,6 +47,7 @@ from strata.kv.formats import KvFormat, Storage
 from strata.kv.pool import KvPool
 from strata.kv.residency import BlockUsage, ResidencyConfig, choose_resident
 from strata.kv.stream_copies import StreamCopies, coalesce
+from strata.kv.tables import ChunkTables
 
 DEFAULT_BLOCK_CELLS = 64
 
@@ -377,12 +378,13 @@ class StreamedPool(KvPool):
         residency: ResidencyConfig | None = None,
         overlap: bool | None = None,
         gather: bool | None = None,
+        tables: ChunkTables | None = None,
     ) -> None:
         dev = torch.device(device)
         super().__init__(fmt, layers, num_lanes, max_context, chunk_size, pool_tokens, "cpu",
-                         pin=dev.type == "cuda")
+                         pin=dev.type == "cuda", tables=tables)
         self.device = dev
-        self.tables_device = self.tables.to(dev)
+        self.tables_device = self.chunks.device_copy(dev)
         self.store = StreamStore(self, resident_cells, block_cells, dev, residency, overlap, gather)
 
     def local(self, layer: int) -> int:

@@ -199,8 +199,12 @@ class DecoderModel(nn.Module):
     def set_max_positions(self, n: int) -> None:
         """(Re)build the RoPE tables for positions 0..n-1 on the weights' device and dtype."""
         w = self.embed_tokens.weight
-        cos, sin = rope_tables(inverse_frequencies(self.config), n, w.dtype, w.device)
-        self.rope_cos, self.rope_sin = cos, sin
+        self.rope_cos, self.rope_sin = self.rope_for(n, w.device, w.dtype)
+
+    def rope_for(self, n: int, device: torch.device, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """RoPE tables (cos, sin) of positions 0..n-1 on `device`: what a stage on another device
+        than the embedding passes to `run_layers`."""
+        return rope_tables(inverse_frequencies(self.config), n, dtype, device)
 
     # The three seams a layer split stands on: the first stage embeds, every stage runs its
     # layer range, the last one finishes with the head. `forward` is the three on one device.
@@ -209,10 +213,15 @@ class DecoderModel(nn.Module):
         return self.embed_tokens(input_ids)
 
     def run_layers(self, h: torch.Tensor, positions: torch.Tensor, ctx: AttentionContext,
-                   start: int = 0, end: int | None = None) -> torch.Tensor:
-        """Layers [start, end) over hidden h [T, hidden_size] at `positions` [T] (long)."""
-        cos = self.rope_cos[positions].unsqueeze(1)
-        sin = self.rope_sin[positions].unsqueeze(1)
+                   start: int = 0, end: int | None = None,
+                   rope: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+        """Layers [start, end) over hidden h [T, hidden_size] at `positions` [T] (long).
+
+        rope: the (cos, sin) tables on h's device (`rope_for`); None: the model's own.
+        """
+        cos_table, sin_table = (self.rope_cos, self.rope_sin) if rope is None else rope
+        cos = cos_table[positions].unsqueeze(1)
+        sin = sin_table[positions].unsqueeze(1)
         for layer in self.layers[start:end]:
             h = layer.forward(h, cos, sin, ctx)
         return h

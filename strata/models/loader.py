@@ -36,6 +36,30 @@ PartsOf = Callable[[str, int], list[Part]]
 Opened = tuple[WeightSource, Architecture, ModelConfig, PartsOf, Callable[[], Tokenizer | None]]
 
 
+@dataclass(frozen=True)
+class Placement:
+    """Where each part of the model is read to: a layer split's stages.
+
+    `layers[i]` is layer i's device, `ends` the embedding's, final norm's and
+    output head's; None leaves that part on the meta device, unread (a remote
+    stage's worker reads only its own layers).
+    """
+
+    layers: tuple[torch.device | None, ...]
+    ends: torch.device | None
+
+    def device_of(self, param_name: str) -> torch.device | None:
+        if param_name.startswith("layers."):
+            return self.layers[int(param_name.split(".")[1])]
+        return self.ends
+
+    def main_device(self) -> torch.device:
+        """The device that holds the ends, or else the first layer read here."""
+        if self.ends is not None:
+            return self.ends
+        return next(d for d in self.layers if d is not None)
+
+
 @dataclass
 class LoadedModel:
     model: DecoderModel
@@ -75,6 +99,7 @@ def load_model(
     dtype: str | torch.dtype = "auto",
     progress: bool = True,
     weights: str = "dense",
+    place: Callable[[ModelConfig], Placement] | None = None,
 ) -> LoadedModel:
     """Load a `.gguf` file or an HF folder (config.json + safetensors); None: the embedded default.
 
@@ -82,7 +107,9 @@ def load_model(
     a file without one (a random-weight benchmark file) gives tokenizer None,
     while a broken one is a ModelLoadError like any other bad input.
     `weights`: dense (exact dequantized weights), int8 (weight-only int8, see
-    quantize.py) or auto (int8 on the CPU in bfloat16).
+    quantize.py) or auto (int8 on the CPU in bfloat16). `place`: where each layer goes, for a layer
+    split (None: everything on `device`), asked for once the model's configuration is read; its
+    `layers` must have one entry per layer.
     """
     path = str(default_model_path()) if path is None else str(path)
     p = Path(path)
@@ -95,9 +122,15 @@ def load_model(
     else:
         source, arch, cfg, parts_of, make_tokenizer = _open_gguf(p)
     tokenizer = make_tokenizer()  # before the weights: a bad tokenizer fails fast too
+    placement = place(cfg) if place is not None else None
+    if placement is not None:
+        if len(placement.layers) != cfg.num_layers:
+            raise ModelLoadError(path, f"a split of {len(placement.layers)} layers for a model of "
+                                       f"{cfg.num_layers}")
+        dev = placement.main_device()
     with torch.device("meta"):
         model = arch.model_class(cfg)
-    _fill(model, source, parts_of, path, dev, dt, progress)
+    _fill(model, source, parts_of, path, placement or Placement((dev,) * cfg.num_layers, dev), dt, progress)
     model.requires_grad_(False).eval()
     model.set_max_positions(cfg.max_position_embeddings)
     mode = resolve_weight_mode(weights, dev, dt, four_bit_source=_four_bit(source))
@@ -194,14 +227,18 @@ def _fill(
     source: WeightSource,
     parts_of: PartsOf,
     path: str,
-    device: torch.device,
+    placement: Placement,
     dtype: torch.dtype,
     progress: bool,
 ) -> None:
     """Check every needed tensor, then read them one by one into the meta-built model."""
     available = source.names()
     plan: dict[str, list[Part]] = {}
+    state: dict[str, torch.Tensor] = {}
     for pname, param in model.named_parameters():
+        if placement.device_of(pname) is None:
+            state[pname] = param  # stays on the meta device: another stage holds it
+            continue
         parts = parts_of(pname, param.shape[0])
         for part in parts:
             if part.name not in available:
@@ -214,7 +251,6 @@ def _fill(
                 )
             source.check(part.name)
         plan[pname] = parts
-    state: dict[str, torch.Tensor] = {}
     bar = tqdm(
         plan.items(),
         desc=f"loading {Path(path).name}",
@@ -225,6 +261,8 @@ def _fill(
     )
     for pname, parts in bar:
         pieces = []
+        device = placement.device_of(pname)
+        assert device is not None
         for part in parts:
             t = source.load(part.name, device, dtype)
             pieces.append(part.fix(t) if part.fix is not None else t)

@@ -92,8 +92,11 @@ def quantize_weights(model: nn.Module, mode: str) -> None:
         attn, mlp = layer.self_attn, layer.mlp
         for owner, name in ((attn, "qkv_proj"), (attn, "o_proj"), (mlp, "gate_up_proj"), (mlp, "down_proj")):
             lin = getattr(owner, name)
+            if lin.weight.is_meta:  # a layer another stage of a split holds
+                continue
             four = mode == "int4" and lin.weight.shape[1] % INT4_GROUP == 0
             cls = Int4Linear if four else Int8Linear
             setattr(owner, name, cls(lin.weight, lin.bias, dtype))
     head = model.embed_tokens.weight if model.lm_head is None else model.lm_head.weight
-    model.lm_head = Int8Linear(head, None, dtype)
+    if not head.is_meta:
+        model.lm_head = Int8Linear(head, None, dtype)

@@ -1,0 +1,66 @@
+"""Putting a layer split together for the engine: where layers load, each stage's pool part.
+
+`--gpus 0,1` (or `cpu,cpu`) splits the model in this process (`LocalStage`s);
+`--remote-stage HOST:PORT --split-at L` keeps layers [0, L) and the head
+here and runs the rest in a worker (`remote.py`). Either way the engine gets
+one `SplitPool` and a `SplitRunner`, and its scheduler never knows.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from strata.kv.formats import KvFormat
+from strata.kv.pool import KvPool
+from strata.kv.stream import StreamedPool
+from strata.kv.tables import ChunkTables
+from strata.models.base import ModelConfig
+from strata.models.loader import Placement
+from strata.parallel.plan import StagePlan, parse_devices, plan_stages
+from strata.parallel.split_pool import SplitPool, StagePart
+from strata.parallel.stages import LocalStage, SplitRunner, Stage
+
+
+@dataclass(frozen=True)
+class PoolShape:
+    """What every stage's part of the pool is made of (the engine's pool flags)."""
+
+    fmt: KvFormat
+    lanes: int
+    max_context: int
+    chunk: int
+    pool_tokens: int | None
+    resident: int | None  # --kv-resident: cells per layer on the device, or None
+
+
+def part_on(shape: PoolShape, layers: range, device: torch.device, tables: ChunkTables | None) -> KvPool:
+    """A pool of `layers` on `device` over `tables` (a split's shared ones; None: its own)."""
+    if shape.resident is not None:
+        return StreamedPool(shape.fmt, layers, shape.lanes, shape.max_context, shape.chunk,
+                            shape.pool_tokens, device, resident_cells=shape.resident, tables=tables)
+    return KvPool(shape.fmt, layers, shape.lanes, shape.max_context, shape.chunk, shape.pool_tokens,
+                  device, tables=tables)
+
+
+class LocalSplit:
+    """`--gpus`: the plan is made when the model's layer count is known (`place`)."""
+
+    def __init__(self, gpus: str, split: str | None) -> None:
+        self.devices = parse_devices(gpus)  # a bad device fails before the model loads
+        self.split = split
+        self.plan: StagePlan | None = None
+
+    def place(self, cfg: ModelConfig) -> Placement:
+        self.plan = plan_stages(cfg.num_layers, self.devices, self.split)
+        return Placement(self.plan.device_of_layer(), self.plan.devices[0])
+
+    def build(self, model: torch.nn.Module, shape: PoolShape, scale: float) -> tuple[SplitPool, SplitRunner]:
+        assert self.plan is not None, "place() runs while the model loads"
+        tables = ChunkTables(shape.lanes, shape.max_context, shape.chunk, shape.pool_tokens)
+        pools = [part_on(shape, r, d, tables) for d, r in zip(self.plan.devices, self.plan.ranges)]
+        stages: list[Stage] = [LocalStage(model, p, scale, shape.max_context) for p in pools]
+        parts: list[StagePart] = list(pools)
+        main = self.plan.devices[0]
+        return SplitPool(tables, shape.fmt, parts, main), SplitRunner(model, stages, main)

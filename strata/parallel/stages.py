@@ -1,0 +1,96 @@
+"""Stages of a layer split and the runner that passes a step's hidden states through them.
+
+A stage runs a contiguous range of the model's layers over its own part of
+the pool, with its own attention backend (and RoPE tables) on its device. A
+`LocalStage` is in this process; a `RemoteStage` (`remote.py`) sends the
+step to a worker. `SplitRunner` has the single-device `Runner`'s interface:
+it embeds on the main device, hands the hidden states from stage to stage
+(one device crossing per boundary), and computes the final norm and the
+sampled rows' logits back on the main device, the same operations in the
+same order as one device runs them, so a split's output is the unsplit
+model's bit for bit where every stage's device computes alike.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Protocol
+
+import torch
+
+from strata.attention.select import backend_for
+from strata.kv.pool import KvPool
+from strata.kv.step import SeqSpec
+
+
+class Stage(Protocol):
+    layers: range
+
+    def run(self, h: torch.Tensor, positions: torch.Tensor, seqs: list[SeqSpec]) -> torch.Tensor:
+        """Hidden states [T, H] after this stage's layers, for the step's `positions` (host, [T])."""
+        ...
+
+    def describe(self) -> dict[str, Any]:
+        """What /v1/state and /metrics show of the stage."""
+        ...
+
+
+class LocalStage:
+    """Layers `pool.layer_range` of `model`, on `pool.device`, over that part of the pool."""
+
+    def __init__(self, model: torch.nn.Module, pool: KvPool, scale: float, max_positions: int) -> None:
+        self.model = model
+        self.pool = pool
+        self.scale = scale
+        self.layers = pool.layer_range
+        self.device = pool.device
+        self.context = backend_for(pool)
+        own = model.rope_cos
+        if not own.is_meta and own.device == self.device and own.shape[0] >= max_positions:
+            self.rope = (own, model.rope_sin)
+        elif not own.is_meta:  # the main device's tables, copied: the same bits on every stage
+            self.rope = (own.to(self.device), model.rope_sin.to(self.device))
+        else:
+            dtype = next(model.layers[self.layers.start].parameters()).dtype
+            self.rope = model.rope_for(max_positions, self.device, dtype)
+
+    def run(self, h: torch.Tensor, positions: torch.Tensor, seqs: list[SeqSpec]) -> torch.Tensor:
+        ctx = self.context(self.pool, seqs, self.scale)
+        return self.model.run_layers(h.to(self.device), positions.to(self.device), ctx,
+                                     self.layers.start, self.layers.stop, rope=self.rope)
+
+    def describe(self) -> dict[str, Any]:
+        return {"layers": [self.layers.start, self.layers.stop], "device": str(self.device),
+                "kind": "local", "kv_bytes": self.pool.total_bytes()}
+
+
+class SplitRunner:
+    """The engine's runner over a chain of stages (no CUDA graphs: each stage runs eagerly)."""
+
+    graphs = None
+
+    def __init__(self, model: torch.nn.Module, stages: list[Stage], device: torch.device) -> None:
+        self.model = model
+        self.stages = stages
+        self.device = device
+
+    @torch.inference_mode()
+    def decode_from(self, seqs: list[SeqSpec], ids: torch.Tensor) -> torch.Tensor:
+        return self.forward(seqs, ids.tolist(), [True] * len(seqs))
+
+    @torch.inference_mode()
+    def forward(self, seqs: list[SeqSpec], tokens: list[int], sample: list[bool]) -> torch.Tensor:
+        """Logits (float32) of the last row of every sequence with `sample` set, in order."""
+        input_ids = torch.tensor(tokens, dtype=torch.int64, device=self.device)
+        positions = torch.cat([torch.arange(s.start, s.end, dtype=torch.int64) for s in seqs])
+        h = self.model.embed(input_ids)
+        for stage in self.stages:
+            h = stage.run(h, positions, seqs)
+        hidden = self.model.norm.forward(h.to(self.device))
+        rows, end = [], 0
+        for s, wanted in zip(seqs, sample):
+            end += s.n
+            if wanted:
+                rows.append(end - 1)
+        if not rows:
+            return torch.empty(0, device=self.device)
+        return self.model.compute_logits(hidden[torch.tensor(rows, device=self.device)])
