@@ -62,6 +62,12 @@ class QueueFull(Overloaded):
     code = "queue_full"
 
 
+class StageUnavailable(Overloaded):
+    """A remote stage cannot run now (its link is down or its worker gone); retry later."""
+
+    code = "stage_unavailable"
+
+
 class SessionFileError(StrataError):
     """A session file cannot be saved or restored: names the file and the problem."""
 

@@ -9,6 +9,10 @@ from __future__ import annotations
 import argparse
 from dataclasses import dataclass, fields
 
+from strata.errors import BadRequest
+from strata.models.loader import resolve_device
+from strata.parallel.build import LocalSplit, RemoteSplit
+
 
 @dataclass
 class EngineConfig:
@@ -34,6 +38,10 @@ class EngineConfig:
     # auto (with CUDA-graph decode) | on | off
     gpus: str | None = None  # layer split in this process over these devices: "0,1", "cpu,cpu"
     split: str | None = None  # layers per --gpus stage ("16,16"); None = by free memory
+    remote_stage: str | None = None  # HOST:PORT of a worker (`strata stage`) running the later layers
+    stage_key_file: str | None = None  # the key a main and its workers share
+    split_at: int | None = None  # with --remote-stage: layers [0, L) stay in this process
+    stage_timeout: float = 60.0  # seconds any link operation may take before the stage counts as lost
 
 
 DEFAULT_KV_CHUNK = 4096
@@ -124,9 +132,36 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
                         "(0,1), cuda:N, or cpu (cpu,cpu runs the same code without a GPU)")
     s.add_argument("--split", default=d.split,
                    help="layers per --gpus stage, e.g. 16,16 (default: by each device's free memory)")
+    add_stage_link_arguments(s, d)
+    s.add_argument("--remote-stage", default=d.remote_stage, metavar="HOST:PORT",
+                   help="run the layers from --split-at on in a worker (`strata stage`) at HOST:PORT")
+    s.add_argument("--split-at", type=int, default=d.split_at, metavar="L",
+                   help="with --remote-stage: layers [0, L) and the head stay in this process")
+
+
+def add_stage_link_arguments(g: argparse._ArgumentGroup, d: EngineConfig) -> None:
+    """The link flags a main and a worker (`strata stage`) share."""
+    g.add_argument("--stage-key-file", default=d.stage_key_file, metavar="FILE",
+                   help="a file holding the key (16 bytes or more) a main and its workers share")
+    g.add_argument("--stage-timeout", type=float, default=d.stage_timeout, metavar="SECONDS",
+                   help="longest a link operation may take before the stage counts as lost (default: 60)")
 
 
 def config_from_args(args: argparse.Namespace) -> EngineConfig:
     """The EngineConfig named by parsed flags (flags not declared keep their defaults)."""
     values = {f.name: getattr(args, f.name) for f in fields(EngineConfig) if hasattr(args, f.name)}
     return EngineConfig(**values)
+
+
+def split_of(config: EngineConfig) -> LocalSplit | RemoteSplit | None:
+    """The split the engine flags ask for (checked before the model loads), or None."""
+    if config.gpus is not None and config.remote_stage is not None:
+        raise BadRequest("--gpus and --remote-stage cannot be combined yet", "gpus")
+    if config.gpus is not None:
+        return LocalSplit(config.gpus, config.split)
+    if config.remote_stage is not None:
+        return RemoteSplit(config.remote_stage, config.stage_key_file, config.split_at,
+                           config.stage_timeout, resolve_device(config.device, str(config.model)))
+    if config.split is not None or config.split_at is not None:
+        raise BadRequest("--split goes with --gpus, --split-at with --remote-stage", "split")
+    return None

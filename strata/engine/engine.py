@@ -16,7 +16,7 @@ from typing import Any, Callable
 
 import torch
 
-from strata.engine.config import EngineConfig, describe_pool, pool_chunk_size
+from strata.engine.config import EngineConfig, describe_pool, pool_chunk_size, split_of
 from strata.engine.controls import banned_ids, biased, controls_error
 from strata.engine.conversation_cache import ConversationCache
 from strata.engine.grammar import Grammars
@@ -31,12 +31,12 @@ from strata.engine.sessions import SessionFiles, SessionResult
 from strata.engine.stats import pool_and_lane_figures
 from strata.engine.stop import StopMatcher
 from strata.engine.types import FinishReason, PromptProgress, SamplingParams, StreamEvent
-from strata.errors import BadRequest, ContextTooLong, ModelLoadError, QueueFull, StrataError
+from strata.errors import BadRequest, ContextTooLong, ModelLoadError, QueueFull, StageUnavailable, StrataError
 from strata.knobs import knob_values
 from strata.kv.formats import make_format
 from strata.kv.tables import TablePool
 from strata.models import load_model
-from strata.parallel.build import LocalSplit, PoolShape, part_on
+from strata.parallel.build import PoolShape, part_on
 from strata.tokenizer import IncrementalDetokenizer
 
 log = logging.getLogger("strata.engine")
@@ -83,9 +83,9 @@ class Engine:
         config = self.config
         if config.threads:
             torch.set_num_threads(config.threads)
-        split = LocalSplit(config.gpus, config.split) if config.gpus is not None else None
+        split = split_of(config)
         if split is not None and loaded is not None:
-            raise BadRequest("--gpus loads the model itself: pass no loaded model", "gpus")
+            raise BadRequest("a layer split loads the model itself: pass no loaded model", "gpus")
         self.loaded = loaded or load_model(config.model, config.device, config.dtype,
                                            weights=config.weights,
                                            place=split.place if split is not None else None)
@@ -106,7 +106,8 @@ class Engine:
                           config.kv_resident)
         self.pool: TablePool
         if split is not None:  # one pool over the stages' parts, one runner through them
-            self.pool, self.runner = split.build(self.loaded.model, shape, mc.attn_scale)
+            self.pool, self.runner = split.build(self.loaded.model, self.loaded.identity, shape,
+                                                 mc.attn_scale)
         else:  # K/V in (pinned) host RAM with --kv-resident, N cells per layer on the device
             self.pool = part_on(shape, range(mc.num_layers), self.device, None)
             self.runner = Runner(self.loaded.model, self.pool, mc.attn_scale, self.device)
@@ -261,6 +262,8 @@ class Engine:
                 inflight = nxt
                 if inflight is not None:
                     continue
+            if self.scheduler.waiting and self.runner.reconnect_if_lost():
+                self.scheduler.forget_idle()  # a new worker holds none of the lanes' K/V
             self._admit()
             step, stuck = self.scheduler.plan()
             for lane in stuck:
@@ -302,12 +305,19 @@ class Engine:
             self._fail_step(launched.step, e)
 
     def _fail_step(self, step: Step, e: Exception) -> None:
-        log.exception("engine step failed")
         self.step_errors += 1
+        if isinstance(e, StageUnavailable):  # the requests get a 503; the link is retried later
+            log.warning("engine step failed: %s", e)
+            error: StrataError = e
+        else:
+            log.exception("engine step failed")
+            error = StrataError(f"internal error in the engine step: {e}")
         for lane in step.lanes:
             if lane.request is not None:
-                lane.request.handle.fail(StrataError(f"internal error in the engine step: {e}"))
+                lane.request.handle.fail(error)
                 self.scheduler.release_lane(lane, keep_cache=False)
+        if isinstance(e, StageUnavailable):
+            self.scheduler.forget_idle()
 
     @staticmethod
     def _run_calls(calls: list[tuple[Callable[[], Any], Future]]) -> None:

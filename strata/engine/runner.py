@@ -23,6 +23,10 @@ class Runner:
 
             self.graphs = DecodeGraphs(model, pool, scale)
 
+    def reconnect_if_lost(self) -> bool:
+        """Whether a stage lost its state (one device: never; see parallel/stages.py)."""
+        return False
+
     @torch.inference_mode()
     def decode_from(self, seqs: list[SeqSpec], ids: torch.Tensor) -> torch.Tensor:
         """Logits of a decode step whose input ids are a device tensor (the last step's samples).

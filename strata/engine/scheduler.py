@@ -211,6 +211,14 @@ class Scheduler:
             budget -= n
         return Step(seqs, lanes, tokens, sample), stuck
 
+    def forget_idle(self) -> None:
+        """Idle lanes drop their cached conversations without parking them: part of their K/V is
+        gone (a remote stage's worker was lost), so none of it may be reused."""
+        for lane in self.lanes:
+            if lane.request is None and lane.tokens:
+                lane.tokens = []
+                self.pool.release(lane.index)
+
     def release_lane(self, lane: Lane, keep_cache: bool) -> None:
         """The lane's request is over: keep its conversation for reuse, or give it all back."""
         lane.request = None

@@ -12,13 +12,16 @@ from dataclasses import dataclass
 
 import torch
 
+from strata.errors import BadRequest
 from strata.kv.formats import KvFormat
 from strata.kv.pool import KvPool
 from strata.kv.stream import StreamedPool
 from strata.kv.tables import ChunkTables
 from strata.models.base import ModelConfig
 from strata.models.loader import Placement
+from strata.parallel.handshake import read_key
 from strata.parallel.plan import StagePlan, parse_devices, plan_stages
+from strata.parallel.remote import RemoteStage, hello_for, split_address
 from strata.parallel.split_pool import SplitPool, StagePart
 from strata.parallel.stages import LocalStage, SplitRunner, Stage
 
@@ -56,7 +59,8 @@ class LocalSplit:
         self.plan = plan_stages(cfg.num_layers, self.devices, self.split)
         return Placement(self.plan.device_of_layer(), self.plan.devices[0])
 
-    def build(self, model: torch.nn.Module, shape: PoolShape, scale: float) -> tuple[SplitPool, SplitRunner]:
+    def build(self, model: torch.nn.Module, identity: str, shape: PoolShape,
+              scale: float) -> tuple[SplitPool, SplitRunner]:
         assert self.plan is not None, "place() runs while the model loads"
         tables = ChunkTables(shape.lanes, shape.max_context, shape.chunk, shape.pool_tokens)
         pools = [part_on(shape, r, d, tables) for d, r in zip(self.plan.devices, self.plan.ranges)]
@@ -64,3 +68,44 @@ class LocalSplit:
         parts: list[StagePart] = list(pools)
         main = self.plan.devices[0]
         return SplitPool(tables, shape.fmt, parts, main), SplitRunner(model, stages, main)
+
+
+class RemoteSplit:
+    """`--remote-stage HOST:PORT --split-at L`: layers [0, L) and the head here, the rest in a
+    worker chain (`strata stage`)."""
+
+    def __init__(self, address: str, key_file: str | None, split_at: int | None, timeout: float,
+                 device: torch.device) -> None:
+        if key_file is None:
+            raise BadRequest("--remote-stage needs --stage-key-file (the key both ends share)",
+                             "stage_key_file")
+        if split_at is None or split_at < 1:
+            raise BadRequest("--remote-stage needs --split-at L (layers [0, L) stay here), L >= 1",
+                             "split_at")
+        split_address(address)  # a bad address fails before the model loads
+        self.address = address
+        self.key = read_key(key_file)
+        self.split_at = split_at
+        self.timeout = timeout
+        self.device = device
+
+    def place(self, cfg: ModelConfig) -> Placement:
+        if self.split_at >= cfg.num_layers:
+            raise BadRequest(f"--split-at {self.split_at} leaves no layer of the model's "
+                             f"{cfg.num_layers} to the remote stage", "split_at")
+        return Placement(tuple(self.device if i < self.split_at else None for i in range(cfg.num_layers)),
+                         self.device)
+
+    def build(self, model: torch.nn.Module, identity: str, shape: PoolShape,
+              scale: float) -> tuple[SplitPool, SplitRunner]:
+        cfg = model.config
+        tables = ChunkTables(shape.lanes, shape.max_context, shape.chunk, shape.pool_tokens)
+        local = part_on(shape, range(0, self.split_at), self.device, tables)
+        dtype = model.embed_tokens.weight.dtype
+        remote = RemoteStage(self.address, self.key,
+                             hello_for(self.split_at, identity, shape.fmt, tables, dtype, cfg.hidden_size),
+                             tables, shape.fmt, self.device, self.timeout)
+        stages: list[Stage] = [LocalStage(model, local, scale, shape.max_context), remote]
+        parts: list[StagePart] = [local, remote]
+        return SplitPool(tables, shape.fmt, parts, self.device), SplitRunner(model, stages, self.device)
+

@@ -33,6 +33,10 @@ class Stage(Protocol):
         """What /v1/state and /metrics show of the stage."""
         ...
 
+    def reconnect_if_lost(self) -> bool:
+        """Whether the stage's K/V was lost since it was last asked (a remote worker replaced)."""
+        ...
+
 
 class LocalStage:
     """Layers `pool.layer_range` of `model`, on `pool.device`, over that part of the pool."""
@@ -62,6 +66,9 @@ class LocalStage:
         return {"layers": [self.layers.start, self.layers.stop], "device": str(self.device),
                 "kind": "local", "kv_bytes": self.pool.total_bytes()}
 
+    def reconnect_if_lost(self) -> bool:
+        return False
+
 
 class SplitRunner:
     """The engine's runner over a chain of stages (no CUDA graphs: each stage runs eagerly)."""
@@ -72,6 +79,10 @@ class SplitRunner:
         self.model = model
         self.stages = stages
         self.device = device
+
+    def reconnect_if_lost(self) -> bool:
+        """Reconnect remote stages whose link is down; True if any worker is new (its K/V empty)."""
+        return any([stage.reconnect_if_lost() for stage in self.stages])  # every stage checked
 
     @torch.inference_mode()
     def decode_from(self, seqs: list[SeqSpec], ids: torch.Tensor) -> torch.Tensor:
