@@ -1,0 +1,1 @@
+"""The authenticated link between two Strata processes: handshake, control messages, tensors."""
