@@ -1,4 +1,4 @@
-"""The `strata` command: generate, chat, serve, bench. A thin user of the engine."""
+"""The `strata` command: generate, chat, serve, stage, bench. A thin user of the engine."""
 
 from __future__ import annotations
 
@@ -64,6 +64,11 @@ def build_parser() -> argparse.ArgumentParser:
         add_serve_arguments = None
     if add_serve_arguments is not None:
         add_serve_arguments(serve)
+
+    stage = sub.add_parser("stage", help="a worker running a main's later layers (--remote-stage)")
+    from strata.stage_main import add_stage_arguments
+
+    add_stage_arguments(stage)
 
     bench = sub.add_parser("bench", help="benchmarks, printed as JSON")
     add_engine_arguments(bench)
@@ -171,6 +176,10 @@ def main(argv: Sequence[str] | None = None) -> int:
             from strata.serve.main import run_server
 
             return run_server(args) or 0
+        if args.command == "stage":
+            from strata.stage_main import run_stage
+
+            return run_stage(args)
         if args.command == "bench":
             from strata.bench.main import run_bench
 

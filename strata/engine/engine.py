@@ -208,7 +208,7 @@ class Engine:
             grammar_mask_s=self.masks.counters.mask_s,
             conversation_cache=(self.conversations.stats().as_dict()
                                 if self.conversations is not None else None),
-            knobs=knob_values())
+            stages=self.runner.describe_stages(), knobs=knob_values())
         return figures
 
     def close(self) -> None:

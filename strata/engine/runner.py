@@ -23,6 +23,11 @@ class Runner:
 
             self.graphs = DecodeGraphs(model, pool, scale)
 
+    def describe_stages(self) -> list[dict]:
+        """One stage: the whole model on one device (a split's runner lists each of its stages)."""
+        return [{"layers": [0, len(self.model.layers)], "device": str(self.device), "kind": "local",
+                 "kv_bytes": self.pool.total_bytes()}]
+
     def reconnect_if_lost(self) -> bool:
         """Whether a stage lost its state (one device: never; see parallel/stages.py)."""
         return False

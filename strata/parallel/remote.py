@@ -43,10 +43,11 @@ from strata.parallel.protocol import (
 log = logging.getLogger("strata.parallel")
 
 
-def split_address(address: str) -> tuple[str, int]:
-    """`HOST:PORT` (IPv6 in brackets) -> (host, port); a bad one is a BadRequest naming it."""
+def split_address(address: str, any_port: bool = False) -> tuple[str, int]:
+    """`HOST:PORT` (IPv6 in brackets) -> (host, port); a bad one is a BadRequest naming it.
+    `any_port`: port 0 (bind any free port) is allowed."""
     host, sep, port = address.rpartition(":")
-    if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
+    if not sep or not host or not port.isdigit() or not (0 if any_port else 1) <= int(port) < 65536:
         raise BadRequest(f"{address!r} is not HOST:PORT")
     return host.strip("[]"), int(port)
 

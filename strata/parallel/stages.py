@@ -80,6 +80,9 @@ class SplitRunner:
         self.stages = stages
         self.device = device
 
+    def describe_stages(self) -> list[dict[str, Any]]:
+        return [stage.describe() for stage in self.stages]
+
     def reconnect_if_lost(self) -> bool:
         """Reconnect remote stages whose link is down; True if any worker is new (its K/V empty)."""
         return any([stage.reconnect_if_lost() for stage in self.stages])  # every stage checked

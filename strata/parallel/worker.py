@@ -92,8 +92,9 @@ class StageWorker:
         self.options = options
         self.device = resolve_device(options.device, str(options.model))
         self.dtype = resolve_dtype(options.dtype)
-        host, port = split_address(options.listen)
+        host, port = split_address(options.listen, any_port=True)
         self.listener = Listener(host, port, options.key, options.timeout, self.device)
+        self.address = f"{host}:{self.listener.port}"
         notice = bind_notice(host)
         if notice is not None:
             log.warning("%s", notice)
@@ -112,7 +113,7 @@ class StageWorker:
     def serve_forever(self) -> None:
         """Accept mains on a thread; serve them one at a time on this one (it owns torch)."""
         threading.Thread(target=self._accept_loop, name="strata-stage-accept", daemon=True).start()
-        log.info("stage worker listening on %s (%s)", self.options.listen, self.device)
+        log.info("stage worker listening on %s (%s)", self.address, self.device)
         while not self._stop.is_set():
             try:
                 link = self._links.get(timeout=0.5)
@@ -213,7 +214,7 @@ class StageWorker:
                               dataclasses.replace(hello, first_layer=stop), chunks, fmt,
                               self.device, self.options.timeout)
         serving = _Serving(stage, nxt, cfg.hidden_size, self.dtype)
-        mine = {**stage.describe(), "kind": "worker", "address": self.options.listen}
+        mine = {**stage.describe(), "kind": "worker", "address": self.address}
         stages = [mine] + (nxt.stages if nxt is not None else [])
         link.send(Welcome(PROTOCOL, cfg.num_layers, stages))
         return serving
