@@ -58,6 +58,15 @@ def _local_host(sock: socket.socket) -> str:
     return host
 
 
+def _shut(sock: socket.socket) -> None:
+    """Close `sock`, first waking a thread blocked in its recv, select or accept (close does not)."""
+    try:
+        sock.shutdown(socket.SHUT_RDWR)
+    except OSError:
+        pass  # not connected, or already shut
+    sock.close()
+
+
 def _first_line(e: Exception) -> str:
     """An error from torch as one line, without the C++ source location it starts with."""
     line = (str(e).strip().splitlines() or [type(e).__name__])[0]
@@ -201,11 +210,7 @@ class Link:
                 pass  # a group whose peer is gone may fail to shut down; it is dropped either way
         self._groups = {}
         self._store = None
-        try:
-            self._sock.shutdown(socket.SHUT_RDWR)  # wakes a thread waiting in recv
-        except OSError:
-            pass
-        self._sock.close()
+        _shut(self._sock)
 
     def __enter__(self) -> Link:
         return self
@@ -331,11 +336,7 @@ class Listener:
 
     def close(self) -> None:
         """Stop listening; a thread waiting in `accept` gets `StageLinkError`."""
-        try:
-            self._sock.shutdown(socket.SHUT_RDWR)  # wakes accept(), which close() alone does not
-        except OSError:
-            pass
-        self._sock.close()
+        _shut(self._sock)
 
     def __enter__(self) -> Listener:
         return self
