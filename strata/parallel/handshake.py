@@ -55,7 +55,7 @@ class Rendezvous:
 
 
 def read_key(path: str) -> bytes:
-    """The key file's bytes without surrounding whitespace (an editor's newline is not part of it)."""
+    """The key file's bytes, stripped: an editor's trailing newline is not part of the key."""
     try:
         with open(path, "rb") as f:
             key = f.read().strip()

@@ -20,12 +20,13 @@ from __future__ import annotations
 
 import ipaddress
 import os
+import re
 import secrets
 import select
 import socket
 import threading
+from collections.abc import Callable
 from datetime import timedelta
-from typing import Callable
 
 import torch
 import torch.distributed as dist
@@ -48,11 +49,32 @@ def _address(addr: tuple) -> str:
     return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
 
 
+def _local_host(sock: socket.socket) -> str:
+    """The address this end of `sock` uses, as IPv4 when a dual-stack socket shows it mapped."""
+    host = sock.getsockname()[0]
+    mapped = ipaddress.ip_address(host.split("%")[0])
+    if isinstance(mapped, ipaddress.IPv6Address) and mapped.ipv4_mapped is not None:
+        return str(mapped.ipv4_mapped)
+    return host
+
+
+def _shut(sock: socket.socket) -> None:
+    """Close `sock`, first waking a thread blocked in its recv, select or accept (close does not)."""
+    try:
+        sock.shutdown(socket.SHUT_RDWR)
+    except OSError:
+        pass  # not connected, or already shut
+    sock.close()
+
+
 def _first_line(e: Exception) -> str:
-    return (str(e).strip().splitlines() or [type(e).__name__])[0][:300]
+    """An error from torch as one line, without the C++ source location it starts with."""
+    line = (str(e).strip().splitlines() or [type(e).__name__])[0]
+    return re.sub(r"^\[[^\]]*\.(cc|cpp|h):\d+\] ", "", line)[:300]
 
 
-def _gloo_group(store: dist.Store, rank: int, local_host: str, timeout: timedelta) -> ProcessGroupGloo:
+def _gloo_group(store: dist.Store, rank: int, local_host: str,
+                timeout: timedelta) -> ProcessGroupGloo:
     """A gloo backend bound to the address this end's control socket uses (not the hostname's)."""
     opts = ProcessGroupGloo._Options()
     opts._devices = [ProcessGroupGloo.create_device(hostname=local_host)]
@@ -180,18 +202,15 @@ class Link:
         if self._closed:
             return
         self._closed = True
+        healthy = self._message_fault is None and self._tensor_fault is None
         for group in self._groups.values():
-            try:
-                group.shutdown()
+            try:  # abort does not wait for operations a dead peer will never finish
+                group.shutdown() if healthy else group.abort()
             except RuntimeError:
                 pass  # a group whose peer is gone may fail to shut down; it is dropped either way
         self._groups = {}
         self._store = None
-        try:
-            self._sock.shutdown(socket.SHUT_RDWR)  # wakes a thread waiting in recv
-        except OSError:
-            pass
-        self._sock.close()
+        _shut(self._sock)
 
     def __enter__(self) -> Link:
         return self
@@ -204,7 +223,7 @@ def _form(sock: socket.socket, store: dist.Store, rendezvous: Rendezvous, rank: 
           device: torch.device, timeout: float, max_message: int) -> Link:
     """Both ends: the link's groups on the rendezvous (this blocks until the peer joins)."""
     span = timedelta(seconds=timeout)
-    local_host = sock.getsockname()[0]
+    local_host = _local_host(sock)
     try:
         groups: dict[str, C10dBackend] = {"gloo": _gloo_group(
             dist.PrefixStore(f"{rendezvous.token}/gloo", store), rank, local_host, span)}
@@ -214,11 +233,8 @@ def _form(sock: socket.socket, store: dist.Store, rendezvous: Rendezvous, rank: 
     except RuntimeError as e:
         raise StageLinkError(f"forming the process group failed: {_first_line(e)}") from None
     tensor_device = device if rendezvous.cuda else _CPU
+    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)  # messages are small and awaited
     return Link(sock, store, groups, rank, tensor_device, timeout, max_message)
-
-
-def _is_cuda(device: str | torch.device) -> bool:
-    return torch.device(device).type == "cuda"
 
 
 def connect(host: str, port: int, key: bytes, timeout: float = 10.0,
@@ -236,7 +252,7 @@ def connect(host: str, port: int, key: bytes, timeout: float = 10.0,
     except OSError as e:
         raise StageLinkError(f"{where}: cannot connect: {e.strerror or e}") from None
     try:
-        rendezvous = handshake.main_handshake(sock, key, _is_cuda(device))
+        rendezvous = handshake.main_handshake(sock, key, torch.device(device).type == "cuda")
         try:
             store = dist.TCPStore(sock.getpeername()[0], rendezvous.port, 2, False,
                                   timedelta(seconds=timeout))
@@ -268,8 +284,13 @@ class Listener:
 
     def __init__(self, host: str, port: int, key: bytes, timeout: float = 10.0,
                  device: str | torch.device = "cpu", max_message: int = MAX_MESSAGE) -> None:
-        family = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0][0]
-        self._sock = socket.create_server((host, port), family=family)
+        try:
+            family = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0][0]
+            dualstack = host == "::" and socket.has_dualstack_ipv6()  # "::" means IPv4 too
+            self._sock = socket.create_server((host, port), family=family,
+                                              dualstack_ipv6=dualstack)
+        except OSError as e:
+            raise StageLinkError(f"{host}:{port}: cannot listen: {e.strerror or e}") from None
         self._key = key
         self._device = torch.device(device)
         self._max_message = max_message
@@ -290,6 +311,8 @@ class Listener:
             conn, addr = self._sock.accept()
         except TimeoutError:
             raise StageLinkTimeout(f"no connection within {timeout:g} s") from None
+        except OSError:
+            raise StageLinkError("the listener is closed") from None
         conn.settimeout(self.timeout)
         try:
             return self._admit(conn, refuse)
@@ -305,14 +328,15 @@ class Listener:
             handshake.answer(conn, self._key, nonce_w, nonce_m, handshake.refuse_body(reason))
             raise StageLinkError(f"refused: {reason}")
         cuda = self._device.type == "cuda"
-        store, port = _open_store(conn.getsockname()[0], self.timeout)
+        store, port = _open_store(_local_host(conn), self.timeout)
         rendezvous = Rendezvous(port, secrets.token_hex(handshake.TOKEN_BYTES), main_cuda and cuda)
         handshake.answer(conn, self._key, nonce_w, nonce_m,
                          handshake.accept_body(rendezvous, cuda))
         return _form(conn, store, rendezvous, 1, self._device, self.timeout, self._max_message)
 
     def close(self) -> None:
-        self._sock.close()
+        """Stop listening; a thread waiting in `accept` gets `StageLinkError`."""
+        _shut(self._sock)
 
     def __enter__(self) -> Listener:
         return self

@@ -15,7 +15,8 @@ import dataclasses
 import json
 import math
 import struct
-from typing import Any, Callable, TypeVar
+from collections.abc import Callable
+from typing import Any, TypeVar
 
 from strata.parallel.handshake import StageLinkError
 

@@ -17,7 +17,13 @@ import pytest
 import torch
 
 from strata.parallel.handshake import (
-    MAGIC, NONCE_BYTES, VERSION, StageLinkError, read_exact, read_key)
+    MAGIC,
+    NONCE_BYTES,
+    VERSION,
+    StageLinkError,
+    read_exact,
+    read_key,
+)
 from strata.parallel.link import Link, Listener, StageLinkTimeout, bind_notice, connect
 from strata.parallel.messages import decode, encode, message
 
@@ -89,15 +95,22 @@ def test_messages_and_tensors_both_ways(pool, listener):
         main.send(ping)
 
 
-def test_recv_timeout_leaves_the_link_usable(pool, listener):
-    main, worker = _pair(pool, listener)
-    with main, worker:
-        start = time.monotonic()
-        with pytest.raises(StageLinkTimeout, match="no message"):
-            worker.recv(0.2)
-        assert time.monotonic() - start < 2
-        main.send(Ping(1, "x", [], {}))
-        assert worker.recv(5) == Ping(1, "x", [], {})
+def test_timeouts_raise_instead_of_hanging(pool):
+    with Listener("127.0.0.1", 0, KEY, timeout=0.5) as listener:
+        main, worker = _pair(pool, listener)
+        with main, worker:
+            start = time.monotonic()
+            with pytest.raises(StageLinkTimeout, match="no message"):
+                worker.recv(0.2)
+            assert time.monotonic() - start < 2
+            main.send(Ping(1, "x", [], {}))
+            assert worker.recv(5) == Ping(1, "x", [], {})  # a message timeout leaves it usable
+            start = time.monotonic()
+            with pytest.raises(StageLinkError, match="receiving a tensor .* failed: Timed out"):
+                worker.recv_tensor((4,), torch.float32)
+            assert time.monotonic() - start < 2
+            with pytest.raises(StageLinkError, match="receiving a tensor from"):
+                worker.recv_tensor((4,), torch.float32)  # the tensor channel stays failed
 
 
 def test_wrong_key_is_refused_on_both_sides_then_a_good_main_gets_in(pool, listener):
@@ -109,6 +122,15 @@ def test_wrong_key_is_refused_on_both_sides_then_a_good_main_gets_in(pool, liste
     main, worker = _pair(pool, listener)
     main.close()
     worker.close()
+
+
+def test_closing_the_listener_wakes_accept(pool):
+    listener = Listener("127.0.0.1", 0, KEY)
+    accepted = pool.submit(listener.accept)
+    time.sleep(0.2)
+    listener.close()
+    with pytest.raises(StageLinkError, match="the listener is closed"):
+        accepted.result(5)
 
 
 def test_main_refuses_a_worker_that_cannot_prove_the_key(pool):
@@ -206,7 +228,8 @@ def test_oversize_messages_are_refused(pool):
             with pytest.raises(StageLinkError, match="over the cap of 16777216 bytes"):
                 main.send(Ping(0, "x" * (17 * 2**20), [], {}))
             main.send(Ping(0, "x" * 4096, [], {}))
-            with pytest.raises(StageLinkError, match=r"peer sent a message of \d+ bytes, over the cap of 1024"):
+            too_big = r"peer sent a message of \d+ bytes, over the cap of 1024 bytes"
+            with pytest.raises(StageLinkError, match=too_big):
                 worker.recv(5)
 
 
@@ -218,13 +241,14 @@ def test_encode_and_decode_are_strict():
                         (object(), "object is not a registered message")]:
         with pytest.raises(StageLinkError, match=reason):
             encode(bad)
+    full = b'{"type": "test.ping", "n": 1, "text": "", "items": [], "extra": {}}'
+    assert decode(full) == Ping(1, "", [], {})
     for data, reason in [(b"{not json", "not UTF-8 JSON"),
                          (b"\xff\xfe", "not UTF-8 JSON"),
                          (b"[1]", "with a string 'type'"),
                          (b'{"type": "nope"}', "unknown message type 'nope'"),
                          (b'{"type": "test.ping", "n": 1}', "lacks extra, items, text"),
-                         (b'{"type": "test.ping", "n": 1, "text": "", "items": [], "extra": {}, '
-                          b'"more": 2}', "unknown fields more")]:
+                         (full[:-1] + b', "more": 2}', "unknown fields more")]:
         with pytest.raises(StageLinkError, match=reason):
             decode(data)
     with pytest.raises(TypeError, match="frozen"):
@@ -270,7 +294,7 @@ def test_read_key(tmp_path):
     assert read_key(str(good)) == b"0123456789abcdef0123"
     short = tmp_path / "short"
     short.write_bytes(b"0123456789\n")
-    with pytest.raises(StageLinkError, match="short: the stage key is 10 bytes, it needs at least 16"):
+    with pytest.raises(StageLinkError, match="short: the stage key is 10 bytes, it needs at least"):
         read_key(str(short))
     with pytest.raises(StageLinkError, match="missing: cannot read the stage key file"):
         read_key(str(tmp_path / "missing"))
