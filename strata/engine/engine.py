@@ -251,6 +251,7 @@ class Engine:
                 if inflight is not None:
                     self._complete(inflight)
                 self._shutdown(calls)
+                self.runner.close()
                 return
             self._run_calls(calls)
             self._enqueue(incoming)

@@ -28,6 +28,9 @@ class Runner:
         return [{"layers": [0, len(self.model.layers)], "device": str(self.device), "kind": "local",
                  "kv_bytes": self.pool.total_bytes()}]
 
+    def close(self) -> None:
+        """Nothing to let go of on one device (a split's runner closes its links)."""
+
     def reconnect_if_lost(self) -> bool:
         """Whether a stage lost its state (one device: never; see parallel/stages.py)."""
         return False

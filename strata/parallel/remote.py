@@ -126,6 +126,11 @@ class RemoteStage:
             log.warning("%s", e)
         return True
 
+    def close(self) -> None:
+        if self.link is not None:
+            self.link.close()
+            self.link = None
+
     def _live(self) -> Link:
         if self.link is None:
             raise StageUnavailable(f"remote stage {self.address} is not connected")

@@ -37,6 +37,10 @@ class Stage(Protocol):
         """Whether the stage's K/V was lost since it was last asked (a remote worker replaced)."""
         ...
 
+    def close(self) -> None:
+        """Let go of links (a worker then serves its next main)."""
+        ...
+
 
 class LocalStage:
     """Layers `pool.layer_range` of `model`, on `pool.device`, over that part of the pool."""
@@ -69,6 +73,9 @@ class LocalStage:
     def reconnect_if_lost(self) -> bool:
         return False
 
+    def close(self) -> None:
+        pass
+
 
 class SplitRunner:
     """The engine's runner over a chain of stages (no CUDA graphs: each stage runs eagerly)."""
@@ -79,6 +86,10 @@ class SplitRunner:
         self.model = model
         self.stages = stages
         self.device = device
+
+    def close(self) -> None:
+        for stage in self.stages:
+            stage.close()
 
     def describe_stages(self) -> list[dict[str, Any]]:
         return [stage.describe() for stage in self.stages]

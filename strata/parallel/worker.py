@@ -81,8 +81,8 @@ class _Serving:
         return len(self.stage.layers) + (len(self.next.layers) if self.next is not None else 0)
 
     def close(self) -> None:
-        if self.next is not None and self.next.link is not None:
-            self.next.link.close()
+        if self.next is not None:
+            self.next.close()
 
 
 class StageWorker:
