@@ -68,6 +68,11 @@ class StageUnavailable(Overloaded):
     code = "stage_unavailable"
 
 
+class PartMissing(StrataError):
+    """A remote stage no longer holds its part of a parked conversation (it restarted): the
+    request reads its prompt from token 0 instead."""
+
+
 class SessionFileError(StrataError):
     """A session file cannot be saved or restored: names the file and the problem."""
 

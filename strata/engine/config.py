@@ -42,6 +42,8 @@ class EngineConfig:
     stage_key_file: str | None = None  # the key a main and its workers share
     split_at: int | None = None  # with --remote-stage: layers [0, L) stay in this process
     stage_timeout: float = 60.0  # seconds any link operation may take before the stage counts as lost
+    prompt_cache: int = 0  # keep up to N conversations as checkpoints (with --remote-stage: the
+    # worker keeps its part under ids); 0 = as --conversation-cache-* say
 
 
 DEFAULT_KV_CHUNK = 4096
@@ -74,6 +76,17 @@ def pool_chunk_size(config: EngineConfig) -> int:
             if config.kv_pool_tokens // size >= per_lane * lanes:
                 return size
     return sizes[-1]
+
+
+def cache_size(config: EngineConfig, bytes_per_cell: int) -> tuple[int, int]:
+    """(slots, bytes) of the conversation cache: --prompt-cache N gives N slots and, without
+    --conversation-cache-mib, room for N whole contexts of `bytes_per_cell` (the layers this
+    process keeps); otherwise the --conversation-cache-* flags (0 bytes: no cache)."""
+    mib = config.conversation_cache_mib
+    if config.prompt_cache > 0:
+        budget = mib << 20 if mib > 0 else config.prompt_cache * config.max_context * bytes_per_cell
+        return config.prompt_cache, budget
+    return config.conversation_cache_slots, mib << 20
 
 
 def describe_pool(lanes: int, chunks: int, chunk_cells: int, nbytes: int, kv: str, shared: bool) -> str:
@@ -137,6 +150,10 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
                    help="run the layers from --split-at on in a worker (`strata stage`) at HOST:PORT")
     s.add_argument("--split-at", type=int, default=d.split_at, metavar="L",
                    help="with --remote-stage: layers [0, L) and the head stay in this process")
+    s.add_argument("--prompt-cache", type=int, default=d.prompt_cache, metavar="N",
+                   help="keep up to N conversations between turns (sets --conversation-cache-slots; "
+                        "with --remote-stage each worker keeps its layers' part under an id, so only "
+                        "ids cross the link)")
 
 
 def add_stage_link_arguments(g: argparse._ArgumentGroup, d: EngineConfig) -> None:
@@ -161,7 +178,8 @@ def split_of(config: EngineConfig) -> LocalSplit | RemoteSplit | None:
         return LocalSplit(config.gpus, config.split)
     if config.remote_stage is not None:
         return RemoteSplit(config.remote_stage, config.stage_key_file, config.split_at,
-                           config.stage_timeout, resolve_device(config.device, str(config.model)))
+                           config.stage_timeout, resolve_device(config.device, str(config.model)),
+                           config.prompt_cache)
     if config.split is not None or config.split_at is not None:
         raise BadRequest("--split goes with --gpus, --split-at with --remote-stage", "split")
     return None

@@ -16,7 +16,7 @@ from typing import Any, Callable
 
 import torch
 
-from strata.engine.config import EngineConfig, describe_pool, pool_chunk_size, split_of
+from strata.engine.config import EngineConfig, cache_size, describe_pool, pool_chunk_size, split_of
 from strata.engine.controls import banned_ids, biased, controls_error
 from strata.engine.conversation_cache import ConversationCache
 from strata.engine.grammar import Grammars
@@ -31,12 +31,20 @@ from strata.engine.sessions import SessionFiles, SessionResult
 from strata.engine.stats import pool_and_lane_figures
 from strata.engine.stop import StopMatcher
 from strata.engine.types import FinishReason, PromptProgress, SamplingParams, StreamEvent
-from strata.errors import BadRequest, ContextTooLong, ModelLoadError, QueueFull, StageUnavailable, StrataError
+from strata.errors import (
+    BadRequest,
+    ContextTooLong,
+    ModelLoadError,
+    QueueFull,
+    StageUnavailable,
+    StrataError,
+)
 from strata.knobs import knob_values
 from strata.kv.formats import make_format
 from strata.kv.tables import TablePool
 from strata.models import load_model
 from strata.parallel.build import PoolShape, part_on
+from strata.parallel.split_pool import SplitPool
 from strata.tokenizer import IncrementalDetokenizer
 
 log = logging.getLogger("strata.engine")
@@ -115,10 +123,11 @@ class Engine:
                                      fmt.name, self.pool.shared))
         self.conversations: ConversationCache | None = None
         parking = None
-        if config.conversation_cache_mib > 0:
-            self.conversations = ConversationCache(config.conversation_cache_mib << 20,
-                                                   config.conversation_cache_slots)
-            parking = Parking(self.pool, self.conversations)
+        kept = self.pool.kept if isinstance(self.pool, SplitPool) else None
+        slots, budget = cache_size(config, kept.local_bytes_per_cell() if kept else self.pool.bytes_per_cell())
+        if budget > 0:
+            self.conversations = ConversationCache(budget, slots)
+            parking = Parking(self.pool, self.conversations, kept)
         self.scheduler = Scheduler(self.pool, config.parallel, config.prefill_chunk,
                                    prefix_reuse=config.prefix_reuse, parking=parking)
         if config.pipeline not in ("auto", "on", "off"):

@@ -8,29 +8,80 @@ a lane's chunks.
 
 from __future__ import annotations
 
+import hashlib
+from typing import Protocol
+
+import torch
+
 from strata.engine.conversation_cache import ConversationCache, ParkedEntry
 from strata.engine.scheduler import Lane
+from strata.errors import PartMissing
 from strata.kv.formats import Storage
 from strata.kv.tables import TablePool
 
 
+class KeptRemotely(Protocol):
+    """Remote stages that keep their part of parked conversations under ids
+    (`parallel/split_pool.py`); the cache then holds only this process's layers."""
+
+    def local_bytes_per_cell(self) -> int: ...
+
+    def export_local(self, lane: int, start: int, end: int) -> list[Storage]: ...
+
+    def import_local(self, lane: int, start: int, runs: list[Storage]) -> None: ...
+
+    def keep(self, part: str, lane: int, n: int, keep: list[str]) -> None: ...
+
+    def restore(self, part: str, lane: int, n: int, keep: list[str]) -> bool: ...
+
+    def fetch(self, part: str, n: int) -> list[Storage]: ...
+
+
+def part_id(tokens: torch.Tensor) -> str:
+    """The id a remote stage keeps a conversation's part under: a hash of its tokens."""
+    return hashlib.sha256(tokens.to(torch.int32).numpy().tobytes()).hexdigest()[:32]
+
+
 class Parking:
-    def __init__(self, pool: TablePool, cache: ConversationCache) -> None:
+    def __init__(self, pool: TablePool, cache: ConversationCache, remote: KeptRemotely | None = None) -> None:
         self.pool = pool
         self.cache = cache
-        self.bytes_per_token = pool.bytes_per_cell()
+        self.remote = remote
+        self.bytes_per_token = pool.bytes_per_cell() if remote is None else remote.local_bytes_per_cell()
 
     def capture(self, lane: Lane, start: int, end: int) -> list[Storage]:
-        """Raw runs of positions [start, end) of a lane, per layer, on the CPU."""
+        """Raw runs of positions [start, end) of a lane, per layer kept here, on the CPU."""
+        if self.remote is not None:
+            return self.remote.export_local(lane.index, start, end)
         return self.pool.export_range(lane.index, start, end)
 
     def park(self, lane: Lane) -> bool:
-        """Park the lane's conversation (only what the reuse image lacks is captured)."""
+        """Park the lane's conversation (only what the reuse image lacks is captured); remote
+        stages keep their part of it under its id."""
         if not lane.tokens:
             return False
         tokens = list(lane.tokens)
         eid = self.cache.park(tokens, lambda s, e: self.capture(lane, s, e), self.bytes_per_token)
+        if eid is not None and self.remote is not None:
+            self.remote.keep(part_id(self.cache.entry(eid).tokens), lane.index, len(tokens), self.live_parts())
         return eid is not None
+
+    def live_parts(self) -> list[str]:
+        """The ids of every conversation the cache holds (entries and the reuse image): what remote
+        stages keep; they drop the rest."""
+        ids = [part_id(self.cache.entry(e).tokens) for e in self.cache.entry_ids()]
+        image = self.cache.reuse_image
+        if image is not None:
+            ids.append(part_id(image.tokens))
+        return ids
+
+    def entry_runs(self, eid: int) -> list[Storage]:
+        """Every layer's raw runs of a parked conversation (a remote stage's fetched over its link)."""
+        entry = self.cache.entry(eid)
+        runs = entry.kv.layers()
+        if self.remote is not None:
+            runs = runs + self.remote.fetch(part_id(entry.tokens), entry.kv.n_cells)
+        return runs
 
     def find(self, prompt: list[int]) -> tuple[int, int] | None:
         """(entry id, usable shared length) of the parked conversation best matching `prompt`."""
@@ -52,7 +103,13 @@ class Parking:
             entry = self.cache.take(eid)
         else:
             entry = self.cache.borrow(eid)
-        write_entry(self.pool, lane.index, entry, n)
+        if self.remote is None:
+            write_entry(self.pool, lane.index, entry, n)
+        else:
+            self.remote.import_local(lane.index, 0, [{k: t[:n] for k, t in runs.items()}
+                                                     for runs in entry.kv.layers()])
+            if not self.remote.restore(part_id(entry.tokens), lane.index, n, self.live_parts()):
+                raise PartMissing("a remote stage no longer holds its part of the conversation")
         lane.tokens = entry.tokens[:n].tolist()
 
 

@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from strata.engine.request import Request
-from strata.errors import KvPoolFull
+from strata.errors import KvPoolFull, PartMissing
 from strata.kv.policy import IdleLane, choose_evictions
 from strata.kv.step import SeqSpec
 from strata.kv.tables import TablePool
@@ -45,6 +45,7 @@ class Counters:
     parks: int = 0
     restores: int = 0
     restored_tokens: int = 0
+    restore_misses: int = 0  # parked conversations a remote stage no longer held
 
 
 @dataclass
@@ -154,10 +155,15 @@ class Scheduler:
         if hit is not None and hit[0] not in self.parking.cache.entry_ids():  # type: ignore[union-attr]
             hit = None  # parking displaced conversations on the way evicted it
         if hit is not None:
-            self.parking.restore(lane, hit[0], hit[1])  # type: ignore[union-attr]
-            m = hit[1]
-            self.counters.restores += 1
-            self.counters.restored_tokens += m
+            try:
+                self.parking.restore(lane, hit[0], hit[1])  # type: ignore[union-attr]
+                m = hit[1]
+                self.counters.restores += 1
+                self.counters.restored_tokens += m
+            except PartMissing:  # a remote stage restarted: the prompt is read from token 0
+                lane.tokens = []
+                m = 0
+                self.counters.restore_misses += 1
         elif m:
             self.counters.prefix_reuse_hits += 1
             self.counters.prefix_tokens_reused += m

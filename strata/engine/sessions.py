@@ -90,7 +90,8 @@ class SessionFiles:
         if cache is None or entry_id not in cache.entry_ids():
             raise BadRequest(f"no parked conversation {entry_id}", "id")
         entry = cache.entry(entry_id)
-        layers = entry.kv.layers()
+        parking = self.scheduler.parking
+        layers = parking.entry_runs(entry_id) if parking is not None else entry.kv.layers()
         n = entry.kv.n_cells
         size = save_session(path, entry.tokens[:n], layers, model_identity=self.identity,
                             kv_format=self.pool.fmt.name)

@@ -48,5 +48,6 @@ def pool_and_lane_figures(sched: Scheduler, pool: TablePool) -> dict[str, Any]:
         "conversation_parks": c.parks,
         "conversation_restores": c.restores,
         "conversation_tokens_restored": c.restored_tokens,
+        "restore_misses": c.restore_misses,
         "kv_stream": pool.figures(),
     }

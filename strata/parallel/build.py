@@ -22,7 +22,7 @@ from strata.models.loader import Placement
 from strata.parallel.handshake import read_key
 from strata.parallel.plan import StagePlan, parse_devices, plan_stages
 from strata.parallel.remote import RemoteStage, hello_for, split_address
-from strata.parallel.split_pool import SplitPool, StagePart
+from strata.parallel.split_pool import RemoteParts, SplitPool, StagePart
 from strata.parallel.stages import LocalStage, SplitRunner, Stage
 
 
@@ -75,7 +75,9 @@ class RemoteSplit:
     worker chain (`strata stage`)."""
 
     def __init__(self, address: str, key_file: str | None, split_at: int | None, timeout: float,
-                 device: torch.device) -> None:
+                 device: torch.device, prompt_cache: int = 0) -> None:
+        """`prompt_cache` N > 0: the worker keeps its part of up to N parked conversations (and the
+        one being restored), under ids; 0: their bytes come to the main's conversation cache."""
         if key_file is None:
             raise BadRequest("--remote-stage needs --stage-key-file (the key both ends share)",
                              "stage_key_file")
@@ -88,6 +90,7 @@ class RemoteSplit:
         self.split_at = split_at
         self.timeout = timeout
         self.device = device
+        self.keep_max = prompt_cache + 1 if prompt_cache > 0 else 0
 
     def place(self, cfg: ModelConfig) -> Placement:
         if self.split_at >= cfg.num_layers:
@@ -103,9 +106,12 @@ class RemoteSplit:
         local = part_on(shape, range(0, self.split_at), self.device, tables)
         dtype = model.embed_tokens.weight.dtype
         remote = RemoteStage(self.address, self.key,
-                             hello_for(self.split_at, identity, shape.fmt, tables, dtype, cfg.hidden_size),
+                             hello_for(self.split_at, identity, shape.fmt, tables, dtype, cfg.hidden_size,
+                                       self.keep_max),
                              tables, shape.fmt, self.device, self.timeout)
         stages: list[Stage] = [LocalStage(model, local, scale, shape.max_context), remote]
         parts: list[StagePart] = [local, remote]
-        return SplitPool(tables, shape.fmt, parts, self.device), SplitRunner(model, stages, self.device)
+        kept = RemoteParts([local], [remote]) if self.keep_max else None
+        return (SplitPool(tables, shape.fmt, parts, self.device, kept),
+                SplitRunner(model, stages, self.device))
 

@@ -36,6 +36,7 @@ class Hello:
     pool_tokens: int | None
     dtype: str  # of the hidden states
     hidden: int
+    keep_max: int  # conversation parts the worker is asked to keep (--prompt-cache); 0: none
 
 
 @message("welcome")
@@ -83,6 +84,51 @@ class Import:
     start: int
     n: int
     rows: list
+
+
+@message("keep")
+@dataclass(frozen=True)
+class Keep:
+    """Keep positions [0, n) of a lane as part `part` (a parked conversation's worker side), then
+    drop every part not in `keep`."""
+
+    part: str
+    lane: int
+    n: int
+    keep: list
+    rows: list
+
+
+@message("restore")
+@dataclass(frozen=True)
+class Restore:
+    """Write the first n cells of part `part` into a lane; `Done.error` is MISSING if it is gone."""
+
+    part: str
+    lane: int
+    n: int
+    keep: list
+    rows: list
+
+
+@message("fetch")
+@dataclass(frozen=True)
+class Fetch:
+    """Send back the first n cells of part `part` as raw runs (a session file of a parked one)."""
+
+    part: str
+    n: int
+
+
+@message("forget")
+@dataclass(frozen=True)
+class Forget:
+    """Drop every part not in `keep`."""
+
+    keep: list
+
+
+MISSING = "no such part"  # the error a worker answers for a part it does not hold
 
 
 @message("done")

@@ -27,12 +27,17 @@ from strata.kv.tables import ChunkTables
 from strata.parallel.handshake import StageLinkError
 from strata.parallel.link import Link, StageLinkTimeout, connect
 from strata.parallel.protocol import (
+    MISSING,
     PROTOCOL,
     Done,
     Export,
+    Fetch,
+    Forget,
     Hello,
     Import,
+    Keep,
     Refusal,
+    Restore,
     Step,
     Welcome,
     recv_runs,
@@ -136,11 +141,11 @@ class RemoteStage:
             raise StageUnavailable(f"remote stage {self.address} is not connected")
         return self.link
 
-    def _done(self, link: Link) -> Done:
+    def _done(self, link: Link, missing_ok: bool = False) -> Done:
         reply = link.recv(self.timeout)
         if not isinstance(reply, Done):
             raise StageLinkError(f"expected a reply, got {type(reply).__name__}")
-        if reply.error is not None:
+        if reply.error is not None and not (missing_ok and reply.error == MISSING):
             raise StageLinkError(f"the worker failed: {reply.error}")
         return reply
 
@@ -202,9 +207,47 @@ class RemoteStage:
         except StageLinkError as e:
             raise self._drop(e) from None
 
+    # ---- kept conversation parts (--prompt-cache) ---------------------------------
+    def keep(self, part: str, lane: int, n: int, keep: list[str]) -> None:
+        """The worker keeps positions [0, n) of `lane` as `part`, then drops parts not in `keep`."""
+        link = self._live()
+        try:
+            link.send(Keep(part, lane, n, keep, table_rows(self.chunks, self.changed)))
+            self._done(link)
+        except StageLinkError as e:
+            raise self._drop(e) from None
+
+    def restore(self, part: str, lane: int, n: int, keep: list[str]) -> bool:
+        """Write the first n cells of `part` into `lane`; False: the worker does not hold it."""
+        link = self._live()
+        try:
+            link.send(Restore(part, lane, n, keep, table_rows(self.chunks, self.changed)))
+            return self._done(link, missing_ok=True).error is None
+        except StageLinkError as e:
+            raise self._drop(e) from None
+
+    def fetch(self, part: str, n: int) -> list[Storage]:
+        """The raw runs of the first n cells of `part`, every layer down the worker chain."""
+        link = self._live()
+        try:
+            link.send(Fetch(part, n))
+            if self._done(link, missing_ok=True).error is not None:
+                raise StrataError(f"remote stage {self.address} no longer holds that conversation")
+            return recv_runs(link, self.fmt, len(self.layers), n)
+        except StageLinkError as e:
+            raise self._drop(e) from None
+
+    def forget(self, keep: list[str]) -> None:
+        link = self._live()
+        try:
+            link.send(Forget(keep))
+            self._done(link)
+        except StageLinkError as e:
+            raise self._drop(e) from None
+
 
 def hello_for(first_layer: int, identity: str, fmt: KvFormat, chunks: ChunkTables, dtype: torch.dtype,
-              hidden: int) -> Hello:
+              hidden: int, keep_max: int) -> Hello:
     lanes, max_context, chunk, pool_tokens = chunks.geometry()
     return Hello(PROTOCOL, identity, first_layer, fmt.name, lanes, max_context, chunk, pool_tokens,
-                 str(dtype).removeprefix("torch."), hidden)
+                 str(dtype).removeprefix("torch."), hidden, keep_max)

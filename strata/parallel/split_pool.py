@@ -40,7 +40,8 @@ class StagePart(Protocol):
 
 class SplitPool(TablePool):
     def __init__(self, chunks: ChunkTables, fmt: KvFormat, parts: list[StagePart],
-                 device: torch.device) -> None:
+                 device: torch.device, kept: RemoteParts | None = None) -> None:
+        """`kept`: remote stages keep their part of parked conversations (`--prompt-cache`)."""
         expect = 0
         for part in parts:
             if part.layer_range.start != expect:
@@ -51,6 +52,7 @@ class SplitPool(TablePool):
         self.parts = parts
         self.device = device  # the main device (the sampled logits')
         self.layer_range = range(0, expect)
+        self.kept = kept
 
     @property
     def num_layers(self) -> int:
@@ -87,3 +89,44 @@ class SplitPool(TablePool):
         if "lookups" in total and "hits" in total:
             total["hit_rate"] = total["hits"] / total["lookups"] if total["lookups"] else 1.0
         return total
+
+
+class KeptPart(Protocol):
+    """A remote stage that keeps conversation parts under ids (`remote.py: RemoteStage`)."""
+
+    def keep(self, part: str, lane: int, n: int, keep: list[str]) -> None: ...
+
+    def restore(self, part: str, lane: int, n: int, keep: list[str]) -> bool: ...
+
+    def fetch(self, part: str, n: int) -> list[Storage]: ...
+
+
+class RemoteParts:
+    """Parking with `--prompt-cache` over a remote stage: the main's conversation cache holds the
+    runs of its own layers, and each worker keeps its layers' part under the id parking hands it
+    (nothing crosses the link but the ids)."""
+
+    def __init__(self, local: list[StagePart], remote: list[KeptPart]) -> None:
+        self.local = local
+        self.remote = remote
+
+    def local_bytes_per_cell(self) -> int:
+        return sum(p.bytes_per_cell() for p in self.local)
+
+    def export_local(self, lane: int, start: int, end: int) -> list[Storage]:
+        return [st for p in self.local for st in p.export_range(lane, start, end)]
+
+    def import_local(self, lane: int, start: int, runs: list[Storage]) -> None:
+        for p in self.local:
+            r = p.layer_range
+            p.import_range(lane, start, runs[r.start : r.stop])
+
+    def keep(self, part: str, lane: int, n: int, keep: list[str]) -> None:
+        for r in self.remote:
+            r.keep(part, lane, n, keep)
+
+    def restore(self, part: str, lane: int, n: int, keep: list[str]) -> bool:
+        return all([r.restore(part, lane, n, keep) for r in self.remote])  # every stage restores
+
+    def fetch(self, part: str, n: int) -> list[Storage]:
+        return [st for r in self.remote for st in r.fetch(part, n)]

@@ -27,7 +27,7 @@ from dataclasses import dataclass
 import torch
 
 from strata.errors import StrataError
-from strata.kv.formats import make_format
+from strata.kv.formats import Storage, make_format
 from strata.kv.step import SeqSpec
 from strata.kv.tables import ChunkTables
 from strata.models.loader import LoadedModel, Placement, load_model, resolve_device, resolve_dtype
@@ -35,12 +35,17 @@ from strata.parallel.build import PoolShape, part_on
 from strata.parallel.handshake import StageLinkError
 from strata.parallel.link import Link, Listener, bind_notice
 from strata.parallel.protocol import (
+    MISSING,
     PROTOCOL,
     Done,
     Export,
+    Fetch,
+    Forget,
     Hello,
     Import,
+    Keep,
     Refusal,
+    Restore,
     Step,
     Welcome,
     apply_rows,
@@ -67,14 +72,49 @@ class WorkerOptions:
     timeout: float = 60.0  # every tensor operation and every reply; see docs/STAGES.md
 
 
+MAX_KEPT = 64  # conversation parts one worker keeps at most, whatever its RAM
+
+
+def available_ram() -> int | None:
+    """Bytes of RAM available to new allocations (Linux MemAvailable), or None if unknown."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        return None
+    return None
+
+
+def keep_limit_error(keep_max: int, part_bytes: int, ram: int | None) -> str | None:
+    """Why a worker cannot promise to keep `keep_max` parts of up to `part_bytes` each, or None."""
+    if keep_max <= 0:
+        return None
+    if keep_max > MAX_KEPT:
+        return f"--prompt-cache {keep_max - 1} asks for {keep_max} kept parts; a worker keeps at most {MAX_KEPT}"
+    if ram is None:
+        return "this worker cannot read its available RAM, so it keeps no conversation parts"
+    if keep_max * part_bytes > ram // 2:
+        return (f"{keep_max} kept parts of up to {part_bytes / 2**20:.0f} MiB each need more than half "
+                f"of this worker's {ram / 2**30:.1f} GiB of available RAM")
+    return None
+
+
 class _Serving:
-    """What one main's session holds: the stage, its pool part, a relay's next link."""
+    """What one main's session holds: the stage, its pool part, a relay's next link, kept parts."""
 
     def __init__(self, stage: LocalStage, nxt: RemoteStage | None, hidden: int, dtype: torch.dtype) -> None:
         self.stage = stage
         self.next = nxt
         self.hidden = hidden
         self.dtype = dtype
+        self.parts: dict[str, list[Storage]] = {}  # this worker's layers of each kept conversation
+
+    def prune(self, keep: list) -> None:
+        wanted = set(keep)
+        for part in [p for p in self.parts if p not in wanted]:
+            del self.parts[part]
 
     @property
     def layers(self) -> int:
@@ -102,12 +142,18 @@ class StageWorker:
         self._busy = threading.Lock()
         self._serving_peer: str | None = None
         self._loaded: tuple[int, LoadedModel] | None = None
+        self._serving: _Serving | None = None
         self._stop = threading.Event()
         self.mains = 0  # mains served so far (tests read it)
 
     @property
     def port(self) -> int:
         return self.listener.port
+
+    def parts_held(self) -> list[str]:
+        """Ids of the conversation parts kept for the main being served (none between mains)."""
+        serving = self._serving
+        return list(serving.parts) if serving is not None else []
 
     # ---- accepting -----------------------------------------------------------------
     def serve_forever(self) -> None:
@@ -169,6 +215,7 @@ class StageWorker:
                 pass
             return
         self.mains += 1
+        self._serving = serving
         log.info("serving main %s: layers %d-%d", link.peer, hello.first_layer,
                  hello.first_layer + serving.layers - 1)
         try:
@@ -178,6 +225,7 @@ class StageWorker:
         except StageLinkError as e:
             log.info("main %s gone (%s); its pool part is dropped", link.peer, e)
         finally:
+            self._serving = None
             serving.close()
 
     def _welcome(self, link: Link, hello: object) -> _Serving:
@@ -205,6 +253,9 @@ class StageWorker:
             pool = part_on(shape, range(hello.first_layer, stop), self.device, chunks)
         except (ValueError, RuntimeError) as e:  # a bad format, or more pool than memory
             raise StrataError(f"cannot hold the main's pool: {str(e).splitlines()[0]}") from None
+        limit = keep_limit_error(hello.keep_max, hello.max_context * pool.bytes_per_cell(), available_ram())
+        if limit is not None:
+            raise StrataError(limit)
         if loaded.model.max_positions < hello.max_context:
             loaded.model.set_max_positions(hello.max_context)
         stage = LocalStage(loaded.model, pool, cfg.attn_scale, hello.max_context)
@@ -242,7 +293,7 @@ class StageWorker:
     def _handle(self, link: Link, s: _Serving, msg: object) -> None:
         t0 = time.perf_counter()
         pool = s.stage.pool
-        if isinstance(msg, (Step, Export, Import)):
+        if isinstance(msg, (Step, Export, Import, Keep, Restore)):
             try:
                 apply_rows(pool.chunks, msg.rows)
             except (ValueError, TypeError) as e:
@@ -281,8 +332,48 @@ class StageWorker:
                 link.send(Done(str(e), time.perf_counter() - t0))
                 return
             link.send(Done(None, time.perf_counter() - t0))
+        elif isinstance(msg, (Keep, Restore, Fetch, Forget)):
+            self._kept(link, s, msg, t0)
         else:
             raise StageLinkError(f"unexpected {type(msg).__name__} from the main")
+
+    def _kept(self, link: Link, s: _Serving, msg: Keep | Restore | Fetch | Forget, t0: float) -> None:
+        """The operations on kept parts; each forwards to a relay's next worker too."""
+        pool, nxt = s.stage.pool, s.next
+        error = None
+        runs: list[Storage] = []
+        try:
+            if isinstance(msg, Keep):
+                s.parts[msg.part] = pool.export_range(msg.lane, 0, msg.n)
+                if nxt is not None:
+                    nxt.keep(msg.part, msg.lane, msg.n, msg.keep)
+                s.prune(msg.keep)
+            elif isinstance(msg, Restore):
+                part = s.parts.get(msg.part)
+                if part is None or next(iter(part[0].values())).shape[0] < msg.n:
+                    error = MISSING
+                else:
+                    pool.import_range(msg.lane, 0, [{k: t[: msg.n] for k, t in st.items()} for st in part])
+                    if nxt is not None and not nxt.restore(msg.part, msg.lane, msg.n, msg.keep):
+                        error = MISSING
+                    s.prune(msg.keep)
+            elif isinstance(msg, Fetch):
+                part = s.parts.get(msg.part)
+                if part is None:
+                    error = MISSING
+                else:
+                    runs = [{k: t[: msg.n] for k, t in st.items()} for st in part]
+                    if nxt is not None:
+                        runs += nxt.fetch(msg.part, msg.n)
+            else:
+                s.prune(msg.keep)
+                if nxt is not None:
+                    nxt.forget(msg.keep)
+        except StrataError as e:  # the relay's next worker failed
+            error = str(e)
+        link.send(Done(error, time.perf_counter() - t0))
+        if error is None and isinstance(msg, Fetch):
+            send_runs(link, runs)
 
     @torch.inference_mode()
     def _step(self, s: _Serving, h: torch.Tensor, seqs: list[SeqSpec]) -> torch.Tensor:

@@ -147,7 +147,7 @@ def test_wrong_key_other_protocol_and_other_model_are_refused(four_layers, tiny_
         _remote(four_layers, bad, w.address)
     link = connect("127.0.0.1", int(w.address.rsplit(":", 1)[1]), KEY.encode(), 10.0)
     try:
-        link.send(Hello(99, "x", 2, "bf16", 1, 512, 32, None, "bfloat16", 64))
+        link.send(Hello(99, "x", 2, "bf16", 1, 512, 32, None, "bfloat16", 64, 0))
         reply = link.recv(10)
     finally:
         link.close()
@@ -212,3 +212,87 @@ def test_killed_main_frees_the_worker_for_the_next(four_layers, key_file, worker
     with _remote(four_layers, key_file, w.address) as eng:
         assert eng.complete([1, 2, 3], PARAMS).completion_tokens == PARAMS.max_tokens
     assert time.monotonic() - t0 < 30
+
+
+@pytest.mark.parametrize("cancel_first", [False, True])
+def test_prompt_cache_repeated_turns_resume_byte_identical(four_layers, key_file, thread_worker,
+                                                          one_process, cancel_first) -> None:
+    """Seed 003's check: every request sent twice; the repeat resumes through the kept parts
+    (the worker's under ids) and equals the first, which equals one process."""
+    w = thread_worker()
+    tok = None
+    with _remote(four_layers, key_file, w.address, parallel=1, kv_pool_tokens=512, prompt_cache=4) as eng:
+        tok = eng.tokenizer
+        chats = [[{"role": "system", "content": SYSTEM}] for _ in QUESTIONS]
+        firsts, repeats, cached = [], [], []
+        for turn in range(2):
+            for c, qs in enumerate(QUESTIONS):
+                chats[c].append({"role": "user", "content": qs[turn]})
+                ids = _prompt(tok, chats[c])
+                if cancel_first:
+                    h = eng.generate(ids, PARAMS)
+                    next(iter(h))
+                    h.cancel()
+                    h.result()
+                a = eng.complete(ids, PARAMS)
+                eng.complete(_prompt(tok, [{"role": "user", "content": f"unrelated {turn} {c}"}]), PARAMS)
+                b = eng.complete(ids, PARAMS)  # the lane held something else: restored from the cache
+                firsts.append(a.token_ids)
+                repeats.append(b.token_ids)
+                cached.append(b.cached_tokens)
+                chats[c].append({"role": "assistant", "content": tok.decode(a.token_ids)})
+        stats = eng.stats()
+    assert repeats == firsts == one_process["replay"]
+    assert all(n >= 50 for n in cached), cached
+    assert stats["conversation_restores"] >= len(firsts) and stats["restore_misses"] == 0
+    assert len(w.parts_held()) == 0, "the main went: the worker dropped what it kept"
+
+
+def test_prompt_cache_moves_ids_not_bytes(four_layers, key_file, thread_worker) -> None:
+    w = thread_worker()
+    moved = {}
+    for pc in (0, 4):
+        extra = dict(prompt_cache=pc) if pc else dict(conversation_cache_mib=64)
+        with _remote(four_layers, key_file, w.address, parallel=1, kv_pool_tokens=512, **extra) as eng:
+            _replay(eng)
+            moved[pc] = eng.stats()["stages"][1]["bytes_received"]
+            held = len(w.parts_held())
+        assert (held > 0) == (pc > 0)
+    assert moved[4] < moved[0] / 2, moved
+
+
+def test_a_part_the_worker_lost_makes_the_request_read_from_zero(four_layers, key_file, thread_worker,
+                                                                  one_process, tmp_path) -> None:
+    w = thread_worker()
+    with _remote(four_layers, key_file, w.address, parallel=1, kv_pool_tokens=512, prompt_cache=4,
+                 session_dir=str(tmp_path)) as eng:
+        tok = eng.tokenizer
+        msgs = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": QUESTIONS[0][0]}]
+        ids = _prompt(tok, msgs)
+        first = eng.complete(ids, PARAMS)
+        eng.complete(_prompt(tok, [{"role": "user", "content": "something else"}]), PARAMS)
+        parked = eng.parked()
+        assert len(parked) == 1
+        eng.save_parked_session(parked[0]["id"], "parked.strata")  # every layer, fetched
+        eng.call(lambda: eng.runner.stages[1].forget([])).result()  # the worker's store emptied
+        again = eng.complete(ids, PARAMS)
+        stats = eng.stats()
+    assert stats["restore_misses"] == 1 and again.cached_tokens == 0
+    assert again.token_ids == first.token_ids == one_process["concurrent"][0]
+    with Engine(_config(four_layers, session_dir=str(tmp_path))) as eng:
+        eng.restore_session(0, "parked.strata")
+        r = eng.complete(ids, PARAMS)
+    assert r.cached_tokens >= len(ids) - 1 and r.token_ids == first.token_ids
+
+
+def test_kept_part_limits_at_the_hello(four_layers, key_file, thread_worker) -> None:
+    from strata.parallel.worker import MAX_KEPT, keep_limit_error
+
+    assert keep_limit_error(0, 10**12, None) is None
+    assert "at most" in keep_limit_error(MAX_KEPT + 1, 1, 10**12)
+    assert "half" in keep_limit_error(4, 2**30, 6 * 2**30)
+    assert keep_limit_error(4, 2**30, 9 * 2**30) is None
+    assert "cannot read" in keep_limit_error(1, 1, None)
+    w = thread_worker()
+    with pytest.raises(StrataError, match="at most"):
+        _remote(four_layers, key_file, w.address, prompt_cache=MAX_KEPT)

@@ -26,6 +26,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+
 @triton.jit
 def cells_of(table_row, pos, mask, CHUNK: tl.constexpr):
     """Cell indices (int64) of positions `pos` through one lane's chunk table."""

@@ -24,7 +24,6 @@ what CUDA-graph capture (`engine/graphs.py`) needs.
 
 from __future__ import annotations
 
-
 import torch
 import triton
 import triton.language as tl
