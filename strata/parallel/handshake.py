@@ -33,6 +33,7 @@ MAC_BYTES = hashlib.sha256().digest_size
 MIN_KEY_BYTES = 16
 TOKEN_BYTES = 16
 CUDA_FLAG = 1
+GPU_ID_BYTES = 16  # which GPU the main computes on: NCCL needs the two ends on different ones
 ACCEPTED, REFUSED, BAD_KEY = b"A", b"R", b"K"
 _ACCEPT_BODY = struct.Struct(">BH16s")  # flags, store port, token (after the b"A")
 _MAX_REASON_BYTES = 255
@@ -108,13 +109,14 @@ def greet(sock: socket.socket) -> bytes:
     return nonce_w
 
 
-def check_main(sock: socket.socket, key: bytes, nonce_w: bytes) -> tuple[bytes, bool]:
-    """Worker, second step: the main's nonce and whether it has CUDA, once its proof checks out.
+def check_main(sock: socket.socket, key: bytes, nonce_w: bytes) -> tuple[bytes, bytes | None]:
+    """Worker, second step: the main's nonce and its GPU's id (None: no CUDA), once its proof
+    checks out.
 
     A wrong proof gets one unauthenticated byte back (so the main can say
     "wrong key" rather than "closed") and raises.
     """
-    reply = read_exact(sock, NONCE_BYTES + 1 + MAC_BYTES, "the main's proof of the key")
+    reply = read_exact(sock, NONCE_BYTES + 1 + GPU_ID_BYTES + MAC_BYTES, "the main's proof of the key")
     nonce_m, flags, proof = reply[:NONCE_BYTES], reply[NONCE_BYTES:-MAC_BYTES], reply[-MAC_BYTES:]
     if not hmac.compare_digest(proof, _mac(key, b"strata-main", nonce_w, nonce_m, flags)):
         try:
@@ -122,7 +124,7 @@ def check_main(sock: socket.socket, key: bytes, nonce_w: bytes) -> tuple[bytes, 
         except OSError:
             pass
         raise StageLinkError("wrong key: the main did not prove the shared key")
-    return nonce_m, bool(flags[0] & CUDA_FLAG)
+    return nonce_m, flags[1:] if flags[0] & CUDA_FLAG else None
 
 
 def accept_body(rendezvous: Rendezvous, cuda: bool) -> bytes:
@@ -142,7 +144,7 @@ def answer(sock: socket.socket, key: bytes, nonce_w: bytes, nonce_m: bytes, body
     send_all(sock, body + _mac(key, b"strata-worker", nonce_m, nonce_w, body), "the verdict")
 
 
-def main_handshake(sock: socket.socket, key: bytes, cuda: bool) -> Rendezvous:
+def main_handshake(sock: socket.socket, key: bytes, gpu: bytes | None) -> Rendezvous:
     """Main side, whole: prove the key, check the worker's proof, return where to form the groups.
 
     Raises `StageLinkError` for a peer that is not a Strata stage, a wrong key
@@ -156,7 +158,9 @@ def main_handshake(sock: socket.socket, key: bytes, cuda: bool) -> Rendezvous:
             f"the worker speaks stage handshake version {version}, this side speaks {VERSION}")
     nonce_w = read_exact(sock, NONCE_BYTES, "the worker's challenge")
     nonce_m = secrets.token_bytes(NONCE_BYTES)
-    flags = bytes([CUDA_FLAG if cuda else 0])
+    if gpu is not None and len(gpu) != GPU_ID_BYTES:
+        raise ValueError(f"a GPU id is {GPU_ID_BYTES} bytes")
+    flags = bytes([CUDA_FLAG if gpu is not None else 0]) + (gpu or bytes(GPU_ID_BYTES))
     send_all(sock, nonce_m + flags + _mac(key, b"strata-main", nonce_w, nonce_m, flags),
              "the proof of the key")
     kind = read_exact(sock, 1, "the worker's verdict")
@@ -176,4 +180,4 @@ def main_handshake(sock: socket.socket, key: bytes, cuda: bool) -> Rendezvous:
     if kind == REFUSED:
         raise StageLinkError(f"worker refused: {rest[1:].decode(errors='replace')}")
     worker_flags, port, token = _ACCEPT_BODY.unpack(rest)
-    return Rendezvous(port, token.hex(), cuda and bool(worker_flags & CUDA_FLAG))
+    return Rendezvous(port, token.hex(), gpu is not None and bool(worker_flags & CUDA_FLAG))

@@ -18,6 +18,7 @@ Nothing is encrypted (see `bind_notice`).
 
 from __future__ import annotations
 
+import hashlib
 import ipaddress
 import os
 import re
@@ -219,6 +220,14 @@ class Link:
         self.close()
 
 
+def gpu_id(device: torch.device) -> bytes | None:
+    """16 bytes naming the physical GPU of a CUDA device (None for the CPU)."""
+    if device.type != "cuda":
+        return None
+    uuid = str(torch.cuda.get_device_properties(device).uuid)
+    return hashlib.sha256(uuid.encode()).digest()[: handshake.GPU_ID_BYTES]
+
+
 def _form(sock: socket.socket, store: dist.Store, rendezvous: Rendezvous, rank: int,
           device: torch.device, timeout: float, max_message: int) -> Link:
     """Both ends: the link's groups on the rendezvous (this blocks until the peer joins)."""
@@ -252,7 +261,7 @@ def connect(host: str, port: int, key: bytes, timeout: float = 10.0,
     except OSError as e:
         raise StageLinkError(f"{where}: cannot connect: {e.strerror or e}") from None
     try:
-        rendezvous = handshake.main_handshake(sock, key, torch.device(device).type == "cuda")
+        rendezvous = handshake.main_handshake(sock, key, gpu_id(torch.device(device)))
         try:
             store = dist.TCPStore(sock.getpeername()[0], rendezvous.port, 2, False,
                                   timedelta(seconds=timeout))
@@ -322,14 +331,16 @@ class Listener:
 
     def _admit(self, conn: socket.socket, refuse: Callable[[], str | None] | None) -> Link:
         nonce_w = handshake.greet(conn)
-        nonce_m, main_cuda = handshake.check_main(conn, self._key, nonce_w)
+        nonce_m, main_gpu = handshake.check_main(conn, self._key, nonce_w)
         reason = refuse() if refuse is not None else None
         if reason is not None:
             handshake.answer(conn, self._key, nonce_w, nonce_m, handshake.refuse_body(reason))
             raise StageLinkError(f"refused: {reason}")
-        cuda = self._device.type == "cuda"
+        mine = gpu_id(self._device)
+        # NCCL between two GPUs; two processes on one GPU (or a CPU end) pass tensors by gloo
+        cuda = mine is not None and main_gpu is not None and main_gpu != mine
         store, port = _open_store(_local_host(conn), self.timeout)
-        rendezvous = Rendezvous(port, secrets.token_hex(handshake.TOKEN_BYTES), main_cuda and cuda)
+        rendezvous = Rendezvous(port, secrets.token_hex(handshake.TOKEN_BYTES), cuda)
         handshake.answer(conn, self._key, nonce_w, nonce_m,
                          handshake.accept_body(rendezvous, cuda))
         return _form(conn, store, rendezvous, 1, self._device, self.timeout, self._max_message)

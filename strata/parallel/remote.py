@@ -74,6 +74,7 @@ class RemoteStage:
         self.changed = chunks.watch()  # lanes whose rows the worker has not seen
         self.stages: list[dict[str, Any]] = []
         self.connects = 0
+        self.kept_parts = 0  # conversation parts the worker keeps now (the last keep list sent)
         self.steps = 0
         self.step_seconds = 0.0  # main's wall time of remote steps
         self.worker_seconds = 0.0  # the worker chain's own time on them
@@ -102,6 +103,7 @@ class RemoteStage:
         self.stages = reply.stages
         self.connects += 1
         self.changed.update(range(self.chunks.num_lanes))  # a new worker knows no rows
+        self.kept_parts = 0
         log.info("remote stage %s: layers %d-%d on %s", self.address, self.hello.first_layer,
                  reply.num_layers - 1, ", ".join(str(s.get("device")) for s in reply.stages))
         return reply
@@ -170,9 +172,11 @@ class RemoteStage:
         link = self.link
         return {"layers": [self.layers.start, self.layers.stop], "kind": "remote",
                 "address": self.address, "connected": link is not None, "connects": self.connects,
-                "workers": self.stages, "steps": self.steps,
+                "workers": self.stages, "steps": self.steps, "kept_parts": self.kept_parts,
                 "link_seconds_per_step": ((self.step_seconds - self.worker_seconds) / self.steps
                                           if self.steps else None),
+                "bytes_per_step": ((link.bytes_sent + link.bytes_received) / self.steps
+                                   if link is not None and self.steps else None),
                 "bytes_sent": link.bytes_sent if link is not None else 0,
                 "bytes_received": link.bytes_received if link is not None else 0}
 
@@ -214,6 +218,7 @@ class RemoteStage:
         try:
             link.send(Keep(part, lane, n, keep, table_rows(self.chunks, self.changed)))
             self._done(link)
+            self.kept_parts = len(set(keep))
         except StageLinkError as e:
             raise self._drop(e) from None
 
@@ -222,7 +227,9 @@ class RemoteStage:
         link = self._live()
         try:
             link.send(Restore(part, lane, n, keep, table_rows(self.chunks, self.changed)))
-            return self._done(link, missing_ok=True).error is None
+            found = self._done(link, missing_ok=True).error is None
+            self.kept_parts = len(set(keep))
+            return found
         except StageLinkError as e:
             raise self._drop(e) from None
 
@@ -242,6 +249,7 @@ class RemoteStage:
         try:
             link.send(Forget(keep))
             self._done(link)
+            self.kept_parts = len(set(keep))
         except StageLinkError as e:
             raise self._drop(e) from None
 

@@ -25,6 +25,7 @@ MONOTONIC_KEYS = {
     "prefix_reuse_hits", "prefix_tokens_reused", "refusals", "truncations", "evictions", "moves", "steps",
     "pipelined_steps", "grammar_rows", "grammar_wait_s", "grammar_mask_s",
     "step_errors", "conversation_parks", "conversation_restores", "conversation_tokens_restored",
+    "restore_misses",
 }
 # The label used when a figure is a dict: chunks per session are keyed by lane.
 DICT_LABELS = {"chunks_per_session": "lane", "tokens_per_session": "lane", "refusals": "reason"}
@@ -64,6 +65,9 @@ class EngineCollector(Collector):
         ready.add_metric([], 0.0 if stats is None else 1.0)
         yield ready
         for key, value in sorted((stats or {}).items()):
+            if key == "stages":
+                yield from self._stages(value or [])
+                continue
             if key in FLATTENED_KEYS:
                 yield from self._flattened(str(key), value)
                 continue
@@ -83,6 +87,23 @@ class EngineCollector(Collector):
                 family = GaugeMetricFamily(name, f"engine figure {key}[{sub!r}] from Engine.stats()")
                 family.add_metric([], number)
                 yield family
+
+    @staticmethod
+    def _stages(stages: list[dict[str, Any]]) -> Iterator[Metric]:
+        """One gauge per numeric figure of the stages of a layer split, labelled by stage number,
+        kind (local, remote) and device or address; the layer range as first/last layer."""
+        fields = sorted({k for st in stages for k, v in st.items() if _number(v) is not None}
+                        | {"first_layer", "last_layer"})
+        for field in fields:
+            family = GaugeMetricFamily(_metric_name(f"stage_{field}"), f"stage figure {field!r}",
+                                       labels=["stage", "kind", "where"])
+            for i, st in enumerate(stages):
+                value = {"first_layer": st["layers"][0], "last_layer": st["layers"][1] - 1}.get(field, st.get(field))
+                number = _number(value)
+                if number is not None:
+                    where = str(st.get("device") or st.get("address") or "")
+                    family.add_metric([str(i), str(st.get("kind", "")), where], number)
+            yield family
 
     def _family(self, key: str, value: Any) -> Metric | None:
         name = _metric_name(key)

@@ -17,6 +17,7 @@ import pytest
 import torch
 
 from strata.parallel.handshake import (
+    GPU_ID_BYTES,
     MAGIC,
     NONCE_BYTES,
     VERSION,
@@ -183,7 +184,7 @@ def test_replayed_handshake_is_refused(pool, listener):
     main = connect("127.0.0.1", proxy, KEY, timeout=5.0)
     accepted.result(10).close()
     main.close()
-    assert len(recorded) == NONCE_BYTES + 1 + 32
+    assert len(recorded) == NONCE_BYTES + 1 + GPU_ID_BYTES + 32
 
     accepted = pool.submit(listener.accept, 10.0)
     with socket.create_connection(("127.0.0.1", listener.port), timeout=5) as replay:

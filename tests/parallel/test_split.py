@@ -157,3 +157,15 @@ def test_stage_plans_and_bad_flags() -> None:
     if not torch.cuda.is_available():
         with pytest.raises(BadRequest, match="CUDA is not available"):
             parse_devices("0,1")
+
+
+def test_stage_figures_reach_metrics_and_state(tiny_loaded) -> None:
+    from strata.serve.metrics import ServeMetrics
+
+    with _engine(tiny_loaded, True, parallel=2, kv_pool_tokens=256) as eng:
+        eng.complete(_prompt(tiny_loaded, [{"role": "user", "content": "Hi"}]), PARAMS)
+        stages = eng.stats()["stages"]
+        text = ServeMetrics(eng.stats).render().decode()
+    assert [s["layers"] for s in stages] == [[0, 1], [1, 2]]
+    assert 'strata_engine_stage_last_layer{kind="local",stage="1",where="cpu"} 1.0' in text
+    assert f'strata_engine_stage_kv_bytes{{kind="local",stage="0",where="cpu"}} {float(stages[0]["kv_bytes"])}' in text
