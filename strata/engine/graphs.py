@@ -11,6 +11,12 @@ re-capture. Prompt reading stays eager.
 A step of n lanes runs the smallest captured size >= n; padding lanes read
 one cell of lane 0 and write into the trash chunk, so they touch nothing
 anyone owns. Graphs are captured on first use of a size.
+
+A stage of a layer split captures its part of the step (`layers`): the
+first stage embeds the ids, a later one reads the hidden states the stage
+before it left (copied into a fixed input buffer), and only the last part
+(`head`: the final norm and the logits) makes logits; the others leave
+hidden states. The unsplit model is one part that does all three.
 """
 
 from __future__ import annotations
@@ -40,17 +46,29 @@ class _Entry:
     ctx: GpuTableAttention
     copied: torch.cuda.Event
     graph: torch.cuda.CUDAGraph | None = None
-    logits: torch.Tensor | None = None  # the graph's output, [size, vocab] float32
+    logits: torch.Tensor | None = None  # the graph's output: [size, vocab] float32 logits, or hidden
+    input: torch.Tensor | None = None  # [size, hidden]: a part that does not embed reads it
     filled: int = 0  # lanes the staging buffer holds: the columns past them are padding
 
 
 class DecodeGraphs:
-    """Decode steps of `model` over `pool` through captured CUDA graphs."""
+    """Decode steps of `model` (or of its layers `layers`) over `pool` through captured CUDA graphs.
 
-    def __init__(self, model: torch.nn.Module, pool: KvPool, scale: float) -> None:
+    `embed`: the part starts from token ids (else from `hidden` given to `forward`); `head`: it
+    ends with the final norm and the logits (else it returns hidden states); `rope`: the RoPE
+    tables on the pool's device where they are not the model's own.
+    """
+
+    def __init__(self, model: torch.nn.Module, pool: KvPool, scale: float, layers: range | None = None,
+                 embed: bool = True, head: bool = True,
+                 rope: tuple[torch.Tensor, torch.Tensor] | None = None) -> None:
         self.model = model
         self.pool = pool
         self.scale = scale
+        self.layers = range(len(model.layers)) if layers is None else layers
+        self.embed = embed
+        self.head = head
+        self.rope = rope
         self.sizes = [s for s in SIZES if s < pool.num_lanes] + [pool.num_lanes]
         self._entries: dict[int, _Entry] = {}
 
@@ -63,31 +81,41 @@ class DecodeGraphs:
 
     @torch.inference_mode()
     def forward(self, seqs: list[SeqSpec], tokens: list[int],
-                device_ids: torch.Tensor | None = None) -> torch.Tensor:
-        """Logits [len(seqs), vocab] (float32) of one decode step; valid until the next call.
+                device_ids: torch.Tensor | None = None, hidden: torch.Tensor | None = None) -> torch.Tensor:
+        """Logits [len(seqs), vocab] (float32) of one decode step, or the part's hidden states;
+        valid until the next call.
 
         `device_ids` (int64 on the device) replace `tokens`: the previous
-        step's samples, used without a round trip through the host.
+        step's samples, used without a round trip through the host. `hidden`:
+        the previous part's output, for a part that does not embed.
         """
         entry = self._entry(self.size_for(len(seqs)))
         self._fill(entry, seqs, tokens)
         if device_ids is not None:
             entry.meta[_IDS, : len(seqs)].copy_(device_ids)
+        if hidden is not None:
+            assert entry.input is not None
+            entry.input[: len(seqs)].copy_(hidden)
         assert entry.graph is not None and entry.logits is not None
         entry.graph.replay()
         return entry.logits[: len(seqs)]
 
     @torch.inference_mode()
-    def eager(self, seqs: list[SeqSpec], tokens: list[int]) -> torch.Tensor:
+    def eager(self, seqs: list[SeqSpec], tokens: list[int], hidden: torch.Tensor | None = None) -> torch.Tensor:
         """The same padded step without the graph (what the graph must reproduce bit for bit)."""
         entry = self._entry(self.size_for(len(seqs)))
         self._fill(entry, seqs, tokens)
+        if hidden is not None:
+            assert entry.input is not None
+            entry.input[: len(seqs)].copy_(hidden)
         return self._step(entry)[: len(seqs)].clone()
 
     # ---- internals -----------------------------------------------------------------
     def _step(self, e: _Entry) -> torch.Tensor:
-        hidden = self.model(e.meta[_IDS], e.meta[_POS], e.ctx)
-        return self.model.compute_logits(hidden)
+        m = self.model
+        h = m.embed(e.meta[_IDS]) if self.embed else e.input
+        h = m.run_layers(h, e.meta[_POS], e.ctx, self.layers.start, self.layers.stop, rope=self.rope)
+        return m.compute_logits(m.norm.forward(h)) if self.head else h
 
     def _fill(self, e: _Entry, seqs: list[SeqSpec], tokens: list[int]) -> None:
         """Stage the step's metadata in the pinned buffer and start its one copy to the device.
@@ -119,6 +147,11 @@ class DecodeGraphs:
         h[_LENS, start:stop] = 1
         h[_CELLS, start:stop] = self.pool.trash * self.pool.chunk_size
 
+    def dtype(self) -> torch.dtype:
+        """The hidden states' dtype: the part's first weights'."""
+        first = self.model.layers[self.layers.start] if len(self.layers) else self.model.norm
+        return next(first.parameters()).dtype
+
     def _entry(self, size: int) -> _Entry:
         e = self._entries.get(size)
         if e is not None:
@@ -131,6 +164,9 @@ class DecodeGraphs:
 
         ctx = GpuTableAttention.for_graph(self.pool, meta[_ROWS:], self.scale)
         e = _Entry(size, host, meta, ctx, torch.cuda.Event())
+        if not self.embed:
+            cfg = self.model.config
+            e.input = torch.zeros((size, cfg.hidden_size), dtype=self.dtype(), device=dev)
         e.copied.record()
         self._pad(host.numpy(), 0, size)
         meta.copy_(host)

@@ -9,6 +9,7 @@ one `SplitPool` and a `SplitRunner`, and its scheduler never knows.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -47,6 +48,16 @@ def part_on(shape: PoolShape, layers: range, device: torch.device, tables: Chunk
                   device, tables=tables)
 
 
+def head_graphs(model: torch.nn.Module, first: LocalStage, scale: float) -> Any:
+    """Captured final norm and logits on the main device, where the first stage has graphs."""
+    if first.graphs is None:
+        return None
+    from strata.engine.graphs import DecodeGraphs  # imports Triton
+
+    n = len(model.layers)
+    return DecodeGraphs(model, first.pool, scale, range(n, n), embed=False, head=True)
+
+
 class LocalSplit:
     """`--gpus`: the plan is made when the model's layer count is known (`place`)."""
 
@@ -64,10 +75,12 @@ class LocalSplit:
         assert self.plan is not None, "place() runs while the model loads"
         tables = ChunkTables(shape.lanes, shape.max_context, shape.chunk, shape.pool_tokens)
         pools = [part_on(shape, r, d, tables) for d, r in zip(self.plan.devices, self.plan.ranges)]
-        stages: list[Stage] = [LocalStage(model, p, scale, shape.max_context) for p in pools]
+        local = [LocalStage(model, p, scale, shape.max_context) for p in pools]
+        stages: list[Stage] = list(local)
         parts: list[StagePart] = list(pools)
         main = self.plan.devices[0]
-        return SplitPool(tables, shape.fmt, parts, main), SplitRunner(model, stages, main)
+        return SplitPool(tables, shape.fmt, parts, main), SplitRunner(model, stages, main,
+                                                                      head_graphs(model, local[0], scale))
 
 
 class RemoteSplit:
@@ -109,9 +122,10 @@ class RemoteSplit:
                              hello_for(self.split_at, identity, shape.fmt, tables, dtype, cfg.hidden_size,
                                        self.keep_max),
                              tables, shape.fmt, self.device, self.timeout)
-        stages: list[Stage] = [LocalStage(model, local, scale, shape.max_context), remote]
+        first = LocalStage(model, local, scale, shape.max_context)
+        stages: list[Stage] = [first, remote]
         parts: list[StagePart] = [local, remote]
         kept = RemoteParts([local], [remote]) if self.keep_max else None
         return (SplitPool(tables, shape.fmt, parts, self.device, kept),
-                SplitRunner(model, stages, self.device))
+                SplitRunner(model, stages, self.device, head_graphs(model, first, scale)))
 

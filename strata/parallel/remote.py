@@ -168,6 +168,12 @@ class RemoteStage:
         self.worker_seconds += done.seconds
         return out
 
+    def decode(self, seqs: list[SeqSpec], tokens: list[int], h: torch.Tensor | None,
+               device_ids: torch.Tensor | None = None) -> torch.Tensor:
+        """A decode step (the worker uses its own graphs for it); never the first stage."""
+        assert h is not None, "a remote stage runs after the main's layers"
+        return self.run(h, torch.tensor([s.start for s in seqs], dtype=torch.int64), seqs)
+
     def describe(self) -> dict[str, Any]:
         link = self.link
         return {"layers": [self.layers.start, self.layers.stop], "kind": "remote",

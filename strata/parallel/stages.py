@@ -17,7 +17,7 @@ from typing import Any, Protocol
 
 import torch
 
-from strata.attention.select import backend_for
+from strata.attention.select import backend_for, graphs_possible
 from strata.kv.pool import KvPool
 from strata.kv.step import SeqSpec
 
@@ -33,6 +33,11 @@ class Stage(Protocol):
         """What /v1/state and /metrics show of the stage."""
         ...
 
+    def decode(self, seqs: list[SeqSpec], tokens: list[int], h: torch.Tensor | None,
+               device_ids: torch.Tensor | None = None) -> torch.Tensor:
+        """A pure decode step: from the ids (the first stage) or the hidden states before it."""
+        ...
+
     def reconnect_if_lost(self) -> bool:
         """Whether the stage's K/V was lost since it was last asked (a remote worker replaced)."""
         ...
@@ -43,9 +48,14 @@ class Stage(Protocol):
 
 
 class LocalStage:
-    """Layers `pool.layer_range` of `model`, on `pool.device`, over that part of the pool."""
+    """Layers `pool.layer_range` of `model`, on `pool.device`, over that part of the pool.
 
-    def __init__(self, model: torch.nn.Module, pool: KvPool, scale: float, max_positions: int) -> None:
+    On CUDA with the in-place Triton backend its decode steps run as its own captured graphs
+    (`engine/graphs.py`): the first stage's embed the ids, the others read the hidden states.
+    """
+
+    def __init__(self, model: torch.nn.Module, pool: KvPool, scale: float, max_positions: int,
+                 graphs: bool = True) -> None:
         self.model = model
         self.pool = pool
         self.scale = scale
@@ -60,6 +70,25 @@ class LocalStage:
         else:
             dtype = next(model.layers[self.layers.start].parameters()).dtype
             self.rope = model.rope_for(max_positions, self.device, dtype)
+        self.graphs = None
+        if graphs and graphs_possible(self.context):
+            from strata.engine.graphs import DecodeGraphs  # imports Triton
+
+            self.graphs = DecodeGraphs(model, pool, scale, self.layers, embed=self.layers.start == 0,
+                                       head=False, rope=self.rope)
+
+    def decode(self, seqs: list[SeqSpec], tokens: list[int], h: torch.Tensor | None,
+               device_ids: torch.Tensor | None = None) -> torch.Tensor:
+        """A decode step through the stage's graphs (the first stage from `tokens` or `device_ids`,
+        the others from `h`), or eagerly where it has none."""
+        if self.graphs is not None and len(seqs) <= self.graphs.sizes[-1]:
+            return self.graphs.forward(seqs, tokens, device_ids=device_ids,
+                                       hidden=None if self.graphs.embed else h)
+        if h is None:
+            ids = device_ids if device_ids is not None else torch.tensor(tokens, device=self.device)
+            h = self.model.embed(ids)
+        positions = torch.tensor([s.start for s in seqs], dtype=torch.int64)
+        return self.run(h, positions, seqs)
 
     def run(self, h: torch.Tensor, positions: torch.Tensor, seqs: list[SeqSpec]) -> torch.Tensor:
         ctx = self.context(self.pool, seqs, self.scale)
@@ -78,14 +107,30 @@ class LocalStage:
 
 
 class SplitRunner:
-    """The engine's runner over a chain of stages (no CUDA graphs: each stage runs eagerly)."""
+    """The engine's runner over a chain of stages.
 
-    graphs = None
+    Pure decode steps go through each stage's `decode` (its own CUDA graphs where it has them)
+    and a captured head on the main device when the first stage has graphs; prompt reading runs
+    every stage eagerly.
+    """
 
-    def __init__(self, model: torch.nn.Module, stages: list[Stage], device: torch.device) -> None:
+    def __init__(self, model: torch.nn.Module, stages: list[Stage], device: torch.device,
+                 head: Any = None) -> None:
+        """`head`: DecodeGraphs of the final norm and logits on the main device, or None."""
         self.model = model
         self.stages = stages
         self.device = device
+        self.graphs = head  # the engine pipelines decode steps when this is not None
+
+    def _decoding(self, seqs: list[SeqSpec], sample: list[bool]) -> bool:
+        return self.graphs is not None and self.graphs.supports(seqs, sample)
+
+    def _decode(self, seqs: list[SeqSpec], tokens: list[int], ids: torch.Tensor | None) -> torch.Tensor:
+        h = None
+        for stage in self.stages:
+            h = stage.decode(seqs, tokens, h, device_ids=ids if h is None else None)
+        assert h is not None
+        return self.graphs.forward(seqs, tokens, hidden=h.to(self.device))
 
     def close(self) -> None:
         for stage in self.stages:
@@ -100,11 +145,15 @@ class SplitRunner:
 
     @torch.inference_mode()
     def decode_from(self, seqs: list[SeqSpec], ids: torch.Tensor) -> torch.Tensor:
+        if self._decoding(seqs, [True] * len(seqs)):
+            return self._decode(seqs, [0] * len(seqs), ids)
         return self.forward(seqs, ids.tolist(), [True] * len(seqs))
 
     @torch.inference_mode()
     def forward(self, seqs: list[SeqSpec], tokens: list[int], sample: list[bool]) -> torch.Tensor:
         """Logits (float32) of the last row of every sequence with `sample` set, in order."""
+        if self._decoding(seqs, sample):
+            return self._decode(seqs, tokens, None)
         input_ids = torch.tensor(tokens, dtype=torch.int64, device=self.device)
         positions = torch.cat([torch.arange(s.start, s.end, dtype=torch.int64) for s in seqs])
         h = self.model.embed(input_ids)

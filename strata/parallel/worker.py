@@ -309,6 +309,9 @@ class StageWorker:
                 log.exception("stage step failed")
                 link.send(Done(f"{type(e).__name__}: {e}", time.perf_counter() - t0))
                 return
+            out = out.to(link.tensor_device)  # to the CPU for gloo: this waits for the step
+            if out.is_cuda:
+                torch.cuda.current_stream(out.device).synchronize()
             link.send(Done(None, time.perf_counter() - t0))
             link.send_tensor(out)
         elif isinstance(msg, Export):
@@ -378,7 +381,10 @@ class StageWorker:
     @torch.inference_mode()
     def _step(self, s: _Serving, h: torch.Tensor, seqs: list[SeqSpec]) -> torch.Tensor:
         positions = torch.cat([torch.arange(q.start, q.end, dtype=torch.int64) for q in seqs])
-        out = s.stage.run(h, positions, seqs)
+        if all(q.n == 1 for q in seqs):  # a decode step: through the stage's graphs where it has them
+            out = s.stage.decode(seqs, [0] * len(seqs), h)
+        else:
+            out = s.stage.run(h, positions, seqs)
         if s.next is not None:
             out = s.next.run(out, positions, seqs)
         return out
