@@ -11,7 +11,8 @@ Writing is I/O-bound: one pool of random bf16 values is drawn once and every
 tensor is written as slices of it at random offsets, so a 15 GB file costs
 about what the disk needs, not minutes of random number generation.
 
-    python -m tools.synth OUT.gguf [--shape llama-3.1-8b|llama-3.2-1b|tiny] [--tokenizer-from GGUF]
+    python -m tools.synth OUT.gguf [--shape llama-3.1-8b|llama-3.1-70b|llama-3.2-1b|tiny|tiny-4]
+        [--tokenizer-from GGUF]
     python -m tools.synth OUT.gguf --tokenizer-only   # the tokenizer metadata alone (a few MB)
 """
 
@@ -57,7 +58,9 @@ class Shape:
 SHAPES = {
     "llama-3.1-8b": Shape(layers=32, hidden=4096, ffn=14336, heads=32, kv_heads=8),
     "llama-3.2-1b": Shape(layers=16, hidden=2048, ffn=8192, heads=32, kv_heads=8),
+    "llama-3.1-70b": Shape(layers=80, hidden=8192, ffn=28672, heads=64, kv_heads=8),
     "tiny": Shape(layers=2, hidden=256, ffn=512, heads=4, kv_heads=2, context=4096),
+    "tiny-4": Shape(layers=4, hidden=256, ffn=512, heads=4, kv_heads=2, context=4096),  # room to split
 }
 
 

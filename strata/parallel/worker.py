@@ -101,6 +101,12 @@ def keep_limit_error(keep_max: int, part_bytes: int, ram: int | None) -> str | N
     return None
 
 
+def _short(identity: str) -> str:
+    """A model identity for a log line: the hash's start and the weight mode it carries."""
+    digest, plus, mode = identity.partition("+")
+    return digest[:16] + plus + mode
+
+
 class _Serving:
     """What one main's session holds: the stage, its pool part, a relay's next link, kept parts."""
 
@@ -239,8 +245,8 @@ class StageWorker:
         last = self.options.split_at
         loaded = self._load(hello.first_layer, last)
         if loaded.identity != hello.model:
-            raise StrataError(f"other model: the main has {hello.model[:16]}, this worker "
-                              f"{loaded.identity[:16]} ({loaded.path})")
+            raise StrataError(f"other model: the main has {_short(hello.model)}, this worker "
+                              f"{_short(loaded.identity)} ({loaded.path}; --weights must match too)")
         cfg = loaded.config
         if hello.hidden != cfg.hidden_size:
             raise StrataError(f"hidden size {hello.hidden} from the main, the model has {cfg.hidden_size}")
