@@ -121,6 +121,10 @@ class Engine:
             self.runner = Runner(self.loaded.model, self.pool, mc.attn_scale, self.device)
         log.info("%s", describe_pool(config.parallel, self.pool.num_chunks, chunk, self.pool.total_bytes(),
                                      fmt.name, self.pool.shared))
+        if split is not None:
+            for i, st in enumerate(self.runner.describe_stages()):
+                log.info("stage %d: layers %d-%d on %s, KV %.1f MiB", i, st["layers"][0], st["layers"][1] - 1,
+                         st.get("device") or st.get("address"), st.get("kv_bytes", 0) / 2**20)
         self.conversations: ConversationCache | None = None
         parking = None
         kept = self.pool.kept if isinstance(self.pool, SplitPool) else None

@@ -78,6 +78,8 @@ class RemoteStage:
         self.steps = 0
         self.step_seconds = 0.0  # main's wall time of remote steps
         self.worker_seconds = 0.0  # the worker chain's own time on them
+        self.decode_steps = 0
+        self.decode_link_seconds = 0.0  # decode steps' wall time minus the worker chain's
         welcome = self._connect()
         self.layers = self.layer_range = range(hello.first_layer, welcome.num_layers)
 
@@ -85,8 +87,8 @@ class RemoteStage:
     def _connect(self) -> Welcome:
         try:
             link = connect(self.host, self.port, self.key, self.timeout, self.device)
-        except StageLinkError as e:
-            raise StageUnavailable(f"remote stage {self.address}: {e}") from None
+        except StageLinkError as e:  # it names the address
+            raise StageUnavailable(f"remote stage: {e}") from None
         try:
             link.send(self.hello)
             reply = link.recv(self.timeout * 10)  # the worker may be loading its layers
@@ -163,9 +165,13 @@ class RemoteStage:
             out = link.recv_tensor(h.shape, h.dtype)
         except StageLinkError as e:
             raise self._drop(e) from None
+        wall = time.perf_counter() - t0
         self.steps += 1
-        self.step_seconds += time.perf_counter() - t0
+        self.step_seconds += wall
         self.worker_seconds += done.seconds
+        if all(s.n == 1 for s in seqs):  # the link's cost per decode step, apart from prompt reads
+            self.decode_steps += 1
+            self.decode_link_seconds += wall - done.seconds
         return out
 
     def decode(self, seqs: list[SeqSpec], tokens: list[int], h: torch.Tensor | None,
@@ -181,6 +187,8 @@ class RemoteStage:
                 "workers": self.stages, "steps": self.steps, "kept_parts": self.kept_parts,
                 "link_seconds_per_step": ((self.step_seconds - self.worker_seconds) / self.steps
                                           if self.steps else None),
+                "link_seconds_per_decode_step": (self.decode_link_seconds / self.decode_steps
+                                                 if self.decode_steps else None),
                 "bytes_per_step": ((link.bytes_sent + link.bytes_received) / self.steps
                                    if link is not None and self.steps else None),
                 "bytes_sent": link.bytes_sent if link is not None else 0,

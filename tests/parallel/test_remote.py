@@ -102,6 +102,14 @@ def test_concurrent_lanes_through_a_remote_stage(four_layers, key_file, thread_w
         assert _concurrent(eng, one_process["prompts"]) == one_process["concurrent"]
 
 
+def test_a_worker_streaming_its_k_v_equals_one_process(four_layers, key_file, thread_worker,
+                                                       one_process) -> None:
+    w = thread_worker(kv_resident=64)  # its own choice: K/V in host RAM, 64 cells a layer "on device"
+    with _remote(four_layers, key_file, w.address, split_at=1, parallel=3, kv_pool_tokens=512) as eng:
+        assert _concurrent(eng, one_process["prompts"]) == one_process["concurrent"]
+        assert eng.stats()["stages"][1]["workers"][0]["kv_bytes"] > 0
+
+
 def test_relay_of_three_processes_equals_one_process(four_layers, key_file, worker_process,
                                                      one_process) -> None:
     last = worker_process()
