@@ -6,7 +6,7 @@ import torch
 
 from strata.attention.select import backend_for, graphs_possible
 from strata.kv.pool import KvPool
-from strata.kv.step import SeqSpec
+from strata.kv.step import SeqSpec, sampled_rows, step_positions
 
 
 class Runner:
@@ -52,14 +52,10 @@ class Runner:
         if self.graphs is not None and self.graphs.supports(seqs, sample):
             return self.graphs.forward(seqs, tokens)  # valid until the next step: sample at once
         input_ids = torch.tensor(tokens, dtype=torch.int64, device=self.device)
-        positions = torch.cat([torch.arange(s.start, s.end, dtype=torch.int64) for s in seqs])
+        positions = step_positions(seqs)
         ctx = self.context(self.pool, seqs, self.scale)
         hidden = self.model(input_ids, positions.to(self.device), ctx)
-        rows, end = [], 0
-        for s, wanted in zip(seqs, sample):
-            end += s.n
-            if wanted:
-                rows.append(end - 1)
+        rows = sampled_rows(seqs, sample)
         if not rows:
             return torch.empty(0, device=self.device)
         return self.model.compute_logits(hidden[torch.tensor(rows, device=self.device)])

@@ -84,3 +84,19 @@ def key_cells(pool: KvPool, lanes: torch.Tensor, length: int) -> torch.Tensor:
     """[S, length] cells of positions [0, length) of each lane (host, int64)."""
     pos = torch.arange(length, dtype=torch.int64)
     return cells_at(pool.tables, pool.chunk_size, lanes[:, None], pos[None, :])
+
+
+def sampled_rows(seqs: list[SeqSpec], sample: list[bool]) -> list[int]:
+    """The flattened row of each sampled sequence's last token, in order (whose logits a step
+    computes)."""
+    rows, end = [], 0
+    for s, wanted in zip(seqs, sample):
+        end += s.n
+        if wanted:
+            rows.append(end - 1)
+    return rows
+
+
+def step_positions(seqs: list[SeqSpec]) -> torch.Tensor:
+    """Every new token's position (host, int64), in row order."""
+    return torch.cat([torch.arange(s.start, s.end, dtype=torch.int64) for s in seqs])

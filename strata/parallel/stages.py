@@ -19,7 +19,7 @@ import torch
 
 from strata.attention.select import backend_for, graphs_possible
 from strata.kv.pool import KvPool
-from strata.kv.step import SeqSpec
+from strata.kv.step import SeqSpec, sampled_rows, step_positions
 
 
 class Stage(Protocol):
@@ -155,16 +155,12 @@ class SplitRunner:
         if self._decoding(seqs, sample):
             return self._decode(seqs, tokens, None)
         input_ids = torch.tensor(tokens, dtype=torch.int64, device=self.device)
-        positions = torch.cat([torch.arange(s.start, s.end, dtype=torch.int64) for s in seqs])
+        positions = step_positions(seqs)
         h = self.model.embed(input_ids)
         for stage in self.stages:
             h = stage.run(h, positions, seqs)
         hidden = self.model.norm.forward(h.to(self.device))
-        rows, end = [], 0
-        for s, wanted in zip(seqs, sample):
-            end += s.n
-            if wanted:
-                rows.append(end - 1)
+        rows = sampled_rows(seqs, sample)
         if not rows:
             return torch.empty(0, device=self.device)
         return self.model.compute_logits(hidden[torch.tensor(rows, device=self.device)])

@@ -28,7 +28,7 @@ import torch
 
 from strata.errors import StrataError
 from strata.kv.formats import Storage, make_format
-from strata.kv.step import SeqSpec
+from strata.kv.step import SeqSpec, step_positions
 from strata.kv.tables import ChunkTables
 from strata.models.loader import LoadedModel, Placement, load_model, resolve_device, resolve_dtype
 from strata.parallel.build import PoolShape, part_on
@@ -386,7 +386,7 @@ class StageWorker:
 
     @torch.inference_mode()
     def _step(self, s: _Serving, h: torch.Tensor, seqs: list[SeqSpec]) -> torch.Tensor:
-        positions = torch.cat([torch.arange(q.start, q.end, dtype=torch.int64) for q in seqs])
+        positions = step_positions(seqs)
         if all(q.n == 1 for q in seqs):  # a decode step: through the stage's graphs where it has them
             out = s.stage.decode(seqs, [0] * len(seqs), h)
         else:

@@ -7,8 +7,9 @@ import pytest
 from strata.engine.config import EngineConfig
 from strata.engine.engine import Engine
 from strata.engine.sessions import SessionFilesDisabled
-from strata.engine.types import FinishReason, SamplingParams
+from strata.engine.types import SamplingParams
 from strata.errors import BadRequest, SessionFileError
+from tests.chat_replay import chat_prompt, replay
 
 SYSTEM = ("You are a careful assistant for a small library. Answer briefly, cite the shelf "
           "number when you know it, and never invent a book. ") * 3
@@ -32,8 +33,7 @@ def _engine(loaded, **kw) -> Engine:
 
 
 def _prompt(loaded, messages: list[dict]) -> list[int]:
-    tok = loaded.tokenizer
-    return tok.encode(tok.apply_chat_template(messages, add_generation_prompt=True))
+    return chat_prompt(loaded.tokenizer, messages)
 
 
 PARAMS = SamplingParams(max_tokens=12, ignore_eos=True)
@@ -41,22 +41,7 @@ PARAMS = SamplingParams(max_tokens=12, ignore_eos=True)
 
 def _replay(loaded, eng: Engine, cancel_first: bool = False) -> list[tuple[list[int], list[int], int]]:
     """Four conversations, turn by turn, interleaved: (prompt, output ids, cached tokens)."""
-    chats = [[{"role": "system", "content": SYSTEM}] for _ in QUESTIONS]
-    out = []
-    for turn in range(3):
-        for c, qs in enumerate(QUESTIONS):
-            chats[c].append({"role": "user", "content": qs[turn]})
-            ids = _prompt(loaded, chats[c])
-            if cancel_first:
-                h = eng.generate(ids, PARAMS)
-                it = iter(h)
-                next(it)
-                h.cancel()
-                assert list(it)[-1].finish_reason in (FinishReason.CANCELLED, FinishReason.LENGTH)
-            r = eng.complete(ids, PARAMS)
-            out.append((ids, r.token_ids, r.cached_tokens))
-            chats[c].append({"role": "assistant", "content": loaded.tokenizer.decode(r.token_ids)})
-    return out
+    return replay(eng, SYSTEM, QUESTIONS, PARAMS, cancel_first)
 
 
 def _cold(loaded, prompts: list[list[int]]) -> list[list[int]]:

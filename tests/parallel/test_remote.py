@@ -7,7 +7,6 @@ every layer's K/V, the worker's part fetched over the link.
 
 from __future__ import annotations
 
-import threading
 import time
 
 import pytest
@@ -19,6 +18,7 @@ from strata.errors import StageUnavailable, StrataError
 from strata.parallel.link import connect
 from strata.parallel.protocol import Hello, Refusal
 from strata.parallel.split_pool import SplitPool
+from tests.chat_replay import chat_prompt, concurrent, replay
 from tests.parallel.conftest import KEY
 
 SYSTEM = "You answer questions about a small town's library, briefly and kindly. " * 4
@@ -39,34 +39,15 @@ def _remote(model, key_file, address: str, split_at: int = 2, **kw) -> Engine:
 
 
 def _prompt(tok, messages: list[dict]) -> list[int]:
-    return tok.encode(tok.apply_chat_template(messages, add_generation_prompt=True))
+    return chat_prompt(tok, messages)
 
 
 def _replay(eng: Engine) -> list[list[int]]:
-    tok = eng.tokenizer
-    chats = [[{"role": "system", "content": SYSTEM}] for _ in QUESTIONS]
-    out = []
-    for turn in range(2):
-        for c, qs in enumerate(QUESTIONS):
-            chats[c].append({"role": "user", "content": qs[turn]})
-            r = eng.complete(_prompt(tok, chats[c]), PARAMS)
-            out.append(r.token_ids)
-            chats[c].append({"role": "assistant", "content": tok.decode(r.token_ids)})
-    return out
+    return [out for _, out, _ in replay(eng, SYSTEM, QUESTIONS, PARAMS)]
 
 
 def _concurrent(eng: Engine, prompts: list[list[int]]) -> list[list[int]]:
-    results: list[list[int]] = [[] for _ in prompts]
-
-    def run(i: int) -> None:
-        results[i] = eng.complete(prompts[i], PARAMS).token_ids
-
-    threads = [threading.Thread(target=run, args=(i,)) for i in range(len(prompts))]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    return results
+    return concurrent(eng, prompts, PARAMS)
 
 
 @pytest.fixture(scope="module")

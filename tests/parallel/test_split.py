@@ -8,17 +8,16 @@ through the split's one set of chunk tables.
 
 from __future__ import annotations
 
-import threading
-
 import pytest
 import torch
 
 from strata.engine.config import EngineConfig
 from strata.engine.engine import Engine
-from strata.engine.types import FinishReason, SamplingParams
+from strata.engine.types import SamplingParams
 from strata.errors import BadRequest
 from strata.parallel.plan import parse_devices, plan_stages, split_layers
 from strata.parallel.split_pool import SplitPool
+from tests.chat_replay import chat_prompt, concurrent, replay
 
 SYSTEM = "You answer questions about a small town's library, briefly and kindly. " * 4
 QUESTIONS = [["Books about rivers?", "The shortest one?"], ["Poetry shelf?", "Open Sundays?"],
@@ -36,41 +35,15 @@ def _engine(loaded, split: bool, **kw) -> Engine:
 
 
 def _prompt(loaded, messages: list[dict]) -> list[int]:
-    tok = loaded.tokenizer
-    return tok.encode(tok.apply_chat_template(messages, add_generation_prompt=True))
+    return chat_prompt(loaded.tokenizer, messages)
 
 
-def _replay(loaded, eng: Engine, cancel_first: bool = False) -> list[list[int]]:
-    chats = [[{"role": "system", "content": SYSTEM}] for _ in QUESTIONS]
-    out = []
-    for turn in range(2):
-        for c, qs in enumerate(QUESTIONS):
-            chats[c].append({"role": "user", "content": qs[turn]})
-            ids = _prompt(loaded, chats[c])
-            if cancel_first:
-                h = eng.generate(ids, PARAMS)
-                it = iter(h)
-                next(it)
-                h.cancel()
-                assert list(it)[-1].finish_reason in (FinishReason.CANCELLED, FinishReason.LENGTH)
-            r = eng.complete(ids, PARAMS)
-            out.append(r.token_ids)
-            chats[c].append({"role": "assistant", "content": loaded.tokenizer.decode(r.token_ids)})
-    return out
+def _replay(eng: Engine, cancel_first: bool = False) -> list[list[int]]:
+    return [out for _, out, _ in replay(eng, SYSTEM, QUESTIONS, PARAMS, cancel_first)]
 
 
 def _concurrent(eng: Engine, prompts: list[list[int]]) -> list[list[int]]:
-    results: list[list[int]] = [[] for _ in prompts]
-
-    def run(i: int) -> None:
-        results[i] = eng.complete(prompts[i], PARAMS).token_ids
-
-    threads = [threading.Thread(target=run, args=(i,)) for i in range(len(prompts))]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    return results
+    return concurrent(eng, prompts, PARAMS)
 
 
 def test_split_engine_has_one_pool_over_two_stages(tiny_loaded) -> None:
@@ -98,9 +71,9 @@ def test_concurrent_lanes_through_the_split_equal_one_device(tiny_loaded) -> Non
 def test_replay_with_parking_through_the_split_equals_one_device(tiny_loaded, cancel_first) -> None:
     kw = dict(parallel=1, kv_pool_tokens=512, conversation_cache_mib=64)
     with _engine(tiny_loaded, False, **kw) as eng:
-        want = _replay(tiny_loaded, eng)
+        want = _replay(eng)
     with _engine(tiny_loaded, True, **kw) as eng:
-        got = _replay(tiny_loaded, eng, cancel_first)
+        got = _replay(eng, cancel_first)
         stats = eng.stats()
     assert got == want
     assert stats["conversation_restores"] > 0 and stats["prefix_tokens_reused"] > 0
