@@ -46,6 +46,7 @@ from strata.parallel.protocol import (
 )
 
 log = logging.getLogger("strata.parallel")
+RETRY_S = 1.0  # between attempts to reach a lost worker (requests meanwhile get 503 at once)
 
 
 def split_address(address: str, any_port: bool = False) -> tuple[str, int]:
@@ -71,6 +72,7 @@ class RemoteStage:
         self.device = device
         self.timeout = timeout
         self.link: Link | None = None
+        self._next_try = 0.0  # monotonic time before which no reconnection is tried
         self.changed = chunks.watch()  # lanes whose rows the worker has not seen
         self.stages: list[dict[str, Any]] = []
         self.connects = 0
@@ -129,9 +131,13 @@ class RemoteStage:
                 self._drop(e)
             else:
                 self._drop(StrataError(f"unexpected {type(unexpected).__name__} from the worker"))
+        now = time.monotonic()
+        if now < self._next_try:  # a worker that was just unreachable is not asked again at once
+            return True
         try:
             self._connect()
         except StrataError as e:
+            self._next_try = now + RETRY_S
             log.warning("%s", e)
         return True
 
