@@ -136,7 +136,7 @@ def load_model(
     mode = resolve_weight_mode(weights, dev, dt, four_bit_source=_four_bit(source))
     identity = source.identity()
     if mode in ("int8", "int4"):
-        quantize_weights(model, mode)
+        quantize_weights(model, mode, dt)
         identity += f"+{mode}"  # K/V computed with other weights: session files must not mix them
     return LoadedModel(
         model=model,

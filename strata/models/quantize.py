@@ -81,13 +81,14 @@ def resolve_weight_mode(mode: str, device: torch.device, dtype: torch.dtype,
     return mode
 
 
-def quantize_weights(model: nn.Module, mode: str) -> None:
+def quantize_weights(model: nn.Module, mode: str, dtype: torch.dtype) -> None:
     """Replace the projections of a DecoderModel by Int8Linear or Int4Linear, in place.
 
     The output head is always int8: it is the tied embedding in small models,
     stored with 8 bits in their files, and its errors reach every logit.
+    `dtype`: the compute dtype (passed in: a remote stage's worker holds no
+    embedding to read it from).
     """
-    dtype = model.embed_tokens.weight.dtype
     for layer in model.layers:
         attn, mlp = layer.self_attn, layer.mlp
         for owner, name in ((attn, "qkv_proj"), (attn, "o_proj"), (mlp, "gate_up_proj"), (mlp, "down_proj")):

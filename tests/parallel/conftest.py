@@ -48,17 +48,20 @@ def thread_worker(four_layers: Path) -> Iterator:
     started: list[StageWorker] = []
 
     def start(model: Path = four_layers, key: str = KEY, kv_resident: int | None = None,
-              **kw) -> StageWorker:
-        w = StageWorker(WorkerOptions(model=str(model), device="cpu", dtype="bfloat16", weights="dense",
+              weights: str = "dense", **kw) -> StageWorker:
+        w = StageWorker(WorkerOptions(model=str(model), device="cpu", dtype="bfloat16", weights=weights,
                                       kv_resident=kv_resident, listen="127.0.0.1:0", key=key.encode(),
                                       **kw))
-        threading.Thread(target=w.serve_forever, daemon=True).start()
-        started.append(w)
+        t = threading.Thread(target=w.serve_forever, daemon=True)
+        t.start()
+        started.append((w, t))
         return w
 
     yield start
-    for w in started:
+    for w, t in started:
         w.stop()
+        t.join(10)
+        assert not t.is_alive(), "a stage worker did not stop"
 
 
 class WorkerProcess:

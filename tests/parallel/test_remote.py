@@ -91,6 +91,15 @@ def test_a_worker_streaming_its_k_v_equals_one_process(four_layers, key_file, th
         assert eng.stats()["stages"][1]["workers"][0]["kv_bytes"] > 0
 
 
+def test_quantized_weights_through_a_remote_stage(four_layers, key_file, thread_worker, one_process) -> None:
+    """The worker holds no embedding: its int8 layers still compute in the main's dtype."""
+    with Engine(_config(four_layers, parallel=3, weights="int8")) as eng:
+        want = _concurrent(eng, one_process["prompts"])
+    w = thread_worker(weights="int8")
+    with _remote(four_layers, key_file, w.address, parallel=3, weights="int8") as eng:
+        assert _concurrent(eng, one_process["prompts"]) == want
+
+
 def test_relay_of_three_processes_equals_one_process(four_layers, key_file, worker_process,
                                                      one_process) -> None:
     last = worker_process()
