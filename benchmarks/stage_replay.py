@@ -122,14 +122,15 @@ class StageProcess:
 
 
 def engine_config(name: str, base: EngineConfig, address: str | None, key_file: Path,
-                  split_at: int) -> EngineConfig:
+                  split_at: int, cache_mib: int) -> EngineConfig:
+    """The engine of one configuration; `cache_mib`: the conversation cache of those that park."""
     if name == "one_process":
-        return replace(base, conversation_cache_mib=1024)
+        return replace(base, conversation_cache_mib=cache_mib)
     remote = replace(base, remote_stage=address, stage_key_file=str(key_file), split_at=split_at)
     if name == "remote_from_0":
         return replace(remote, prefix_reuse=False)
     if name == "remote_parking":
-        return replace(remote, conversation_cache_mib=1024)
+        return replace(remote, conversation_cache_mib=cache_mib)
     return replace(remote, prompt_cache=4)
 
 
@@ -256,6 +257,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--gen", type=int, default=32, help="tokens generated per turn")
     ap.add_argument("--split-at", type=int, default=None, help="default: half the model's layers")
     ap.add_argument("--threads", type=int, default=1, help="torch threads of each process")
+    ap.add_argument("--cache-mib", type=int, default=1024,
+                    help="conversation cache of the parking configurations (both chats must fit)")
+    ap.add_argument("--parallel", type=int, default=1,
+                    help="lanes (1: each turn finds the other chat in the lane and must get its own back)")
     ap.add_argument("--configs", default=",".join(CONFIGS))
     ap.add_argument("--out", default=None, help="also write the JSON to this file")
     args = ap.parse_args(argv)
@@ -266,13 +271,13 @@ def main(argv: list[str] | None = None) -> int:
     split_at = args.split_at or layer_count(args.model) // 2
     # room for the system prompt, every turn's question and template, and its reply
     max_context = args.system_tokens + 2 * TURNS * (args.gen + 64) + 256
-    base = EngineConfig(model=args.model, device=args.device, parallel=1, max_context=max_context,
+    base = EngineConfig(model=args.model, device=args.device, parallel=args.parallel, max_context=max_context,
                         dtype=args.dtype, weights=args.weights, threads=args.threads)
     out: dict[str, Any] = {
         "machine": {"cpu": platform.processor() or platform.machine(), "cpu_count": os.cpu_count(),
                     "torch": torch.__version__, "python": platform.python_version()},
         "model": args.model or "embedded default", "device": args.device, "dtype": args.dtype,
-        "weights": args.weights,         "threads_per_process": args.threads,
+        "weights": args.weights, "threads_per_process": args.threads, "parallel": args.parallel,
         "split_at": split_at, "gen": args.gen, "turns": [t.chat + str(t.index) for t in replay_order()],
         "configs": {}}
     results: dict[str, dict[str, Any]] = out["configs"]
@@ -287,13 +292,17 @@ def main(argv: list[str] | None = None) -> int:
                 worker = StageProcess(args, key_file, Path(tmp) / "stage.log")
             system: str | None = None
             for name in sorted(names, key=CONFIGS.index):  # one_process first: the reference
-                cfg = engine_config(name, base, worker.address if worker else None, key_file, split_at)
+                cfg = engine_config(name, base, worker.address if worker else None, key_file, split_at,
+                                    args.cache_mib)
                 t0 = time.perf_counter()
                 with Engine(cfg) as eng:
                     load_s = time.perf_counter() - t0
                     if system is None:
                         system = system_prompt(eng.tokenizer, args.system_tokens)
                         out["system_tokens"] = len(eng.tokenizer.encode(system))
+                    # kernels compile and graphs are captured outside the timed turns (on the GPU,
+                    # the first configuration would otherwise pay for them)
+                    eng.complete(eng.tokenizer.encode("Warm up."), SamplingParams(max_tokens=8, ignore_eos=True))
                     rows = replay(eng, system, args.gen, name)
                     res = {"load_s": round(load_s, 2), "summary": summarize(rows), "turns": rows,
                            "counters": engine_counters(eng)}

@@ -44,10 +44,13 @@ def run_stage(args: argparse.Namespace) -> int:
     if args.stage_key_file is None:
         raise StrataError("--stage-key-file is required (the key the main also reads)")
     listen = args.listen if ":" in args.listen else f"127.0.0.1:{args.listen}"
+    from strata.engine.runner import graphs_factory
+
     worker = StageWorker(WorkerOptions(
         model=args.model, device=args.device, dtype=args.dtype, weights=args.weights,
         kv_resident=args.kv_resident, listen=listen, key=read_key(args.stage_key_file),
-        next_address=args.next_address, split_at=args.split_at, timeout=args.stage_timeout))
+        next_address=args.next_address, split_at=args.split_at, timeout=args.stage_timeout),
+        graphs_factory())
     try:
         worker.serve_forever()
     finally:

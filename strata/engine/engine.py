@@ -24,7 +24,7 @@ from strata.engine.masks import GrammarMasks
 from strata.engine.parking import Parking
 from strata.engine.pipeline import Launched, continuation
 from strata.engine.request import Request, RequestHandle
-from strata.engine.runner import Runner
+from strata.engine.runner import Runner, graphs_factory
 from strata.engine.sampling import has_penalties, make_generator, sample
 from strata.engine.scheduler import Lane, Scheduler, Step
 from strata.engine.sessions import SessionFiles, SessionResult
@@ -115,7 +115,7 @@ class Engine:
         self.pool: TablePool
         if split is not None:  # one pool over the stages' parts, one runner through them
             self.pool, self.runner = split.build(self.loaded.model, self.loaded.identity, shape,
-                                                 mc.attn_scale)
+                                                 mc.attn_scale, graphs_factory())
         else:  # K/V in (pinned) host RAM with --kv-resident, N cells per layer on the device
             self.pool = part_on(shape, range(mc.num_layers), self.device, None)
             self.runner = Runner(self.loaded.model, self.pool, mc.attn_scale, self.device)

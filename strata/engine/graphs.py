@@ -65,7 +65,7 @@ class DecodeGraphs:
         self.model = model
         self.pool = pool
         self.scale = scale
-        self.layers = range(len(model.layers)) if layers is None else layers
+        self.layers = layers  # None: all of them
         self.embed = embed
         self.head = head
         self.rope = rope
@@ -114,7 +114,8 @@ class DecodeGraphs:
     def _step(self, e: _Entry) -> torch.Tensor:
         m = self.model
         h = m.embed(e.meta[_IDS]) if self.embed else e.input
-        h = m.run_layers(h, e.meta[_POS], e.ctx, self.layers.start, self.layers.stop, rope=self.rope)
+        start, stop = (0, None) if self.layers is None else (self.layers.start, self.layers.stop)
+        h = m.run_layers(h, e.meta[_POS], e.ctx, start, stop, rope=self.rope)
         return m.compute_logits(m.norm.forward(h)) if self.head else h
 
     def _fill(self, e: _Entry, seqs: list[SeqSpec], tokens: list[int]) -> None:
@@ -149,7 +150,8 @@ class DecodeGraphs:
 
     def dtype(self) -> torch.dtype:
         """The hidden states' dtype: the part's first weights'."""
-        first = self.model.layers[self.layers.start] if len(self.layers) else self.model.norm
+        first = self.model.norm if self.layers is not None and not self.layers else \
+            self.model.layers[self.layers.start if self.layers is not None else 0]
         return next(first.parameters()).dtype
 
     def _entry(self, size: int) -> _Entry:

@@ -4,9 +4,18 @@ from __future__ import annotations
 
 import torch
 
-from strata.attention.select import backend_for, graphs_possible
+from strata.attention.select import HAVE_TRITON, backend_for, graphs_possible
 from strata.kv.pool import KvPool
 from strata.kv.step import SeqSpec, sampled_rows, step_positions
+
+
+def graphs_factory() -> type | None:
+    """The decode-graph capture a split's stages use (`graphs.DecodeGraphs`), None without Triton."""
+    if not HAVE_TRITON:
+        return None
+    from strata.engine.graphs import DecodeGraphs  # imports Triton
+
+    return DecodeGraphs
 
 
 class Runner:

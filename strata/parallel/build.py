@@ -24,7 +24,7 @@ from strata.parallel.handshake import read_key
 from strata.parallel.plan import StagePlan, parse_devices, plan_stages
 from strata.parallel.remote import RemoteStage, hello_for, split_address
 from strata.parallel.split_pool import RemoteParts, SplitPool, StagePart
-from strata.parallel.stages import LocalStage, SplitRunner, Stage
+from strata.parallel.stages import GraphsFactory, LocalStage, SplitRunner, Stage
 
 
 @dataclass(frozen=True)
@@ -48,14 +48,12 @@ def part_on(shape: PoolShape, layers: range, device: torch.device, tables: Chunk
                   device, tables=tables)
 
 
-def head_graphs(model: torch.nn.Module, first: LocalStage, scale: float) -> Any:
+def head_graphs(model: torch.nn.Module, first: LocalStage, scale: float, graphs: GraphsFactory | None) -> Any:
     """Captured final norm and logits on the main device, where the first stage has graphs."""
-    if first.graphs is None:
+    if first.graphs is None or graphs is None:
         return None
-    from strata.engine.graphs import DecodeGraphs  # imports Triton
-
     n = len(model.layers)
-    return DecodeGraphs(model, first.pool, scale, range(n, n), embed=False, head=True)
+    return graphs(model, first.pool, scale, range(n, n), embed=False, head=True)
 
 
 class LocalSplit:
@@ -70,17 +68,18 @@ class LocalSplit:
         self.plan = plan_stages(cfg.num_layers, self.devices, self.split)
         return Placement(self.plan.device_of_layer(), self.plan.devices[0])
 
-    def build(self, model: torch.nn.Module, identity: str, shape: PoolShape,
-              scale: float) -> tuple[SplitPool, SplitRunner]:
+    def build(self, model: torch.nn.Module, identity: str, shape: PoolShape, scale: float,
+              graphs: GraphsFactory | None) -> tuple[SplitPool, SplitRunner]:
+        """The pool and runner; `graphs`: each stage's decode-graph capture (None: eager)."""
         assert self.plan is not None, "place() runs while the model loads"
         tables = ChunkTables(shape.lanes, shape.max_context, shape.chunk, shape.pool_tokens)
         pools = [part_on(shape, r, d, tables) for d, r in zip(self.plan.devices, self.plan.ranges)]
-        local = [LocalStage(model, p, scale, shape.max_context) for p in pools]
+        local = [LocalStage(model, p, scale, shape.max_context, graphs) for p in pools]
         stages: list[Stage] = list(local)
         parts: list[StagePart] = list(pools)
         main = self.plan.devices[0]
         return SplitPool(tables, shape.fmt, parts, main), SplitRunner(model, stages, main,
-                                                                      head_graphs(model, local[0], scale))
+                                                                      head_graphs(model, local[0], scale, graphs))
 
 
 class RemoteSplit:
@@ -112,8 +111,8 @@ class RemoteSplit:
         return Placement(tuple(self.device if i < self.split_at else None for i in range(cfg.num_layers)),
                          self.device)
 
-    def build(self, model: torch.nn.Module, identity: str, shape: PoolShape,
-              scale: float) -> tuple[SplitPool, SplitRunner]:
+    def build(self, model: torch.nn.Module, identity: str, shape: PoolShape, scale: float,
+              graphs: GraphsFactory | None) -> tuple[SplitPool, SplitRunner]:
         cfg = model.config
         tables = ChunkTables(shape.lanes, shape.max_context, shape.chunk, shape.pool_tokens)
         local = part_on(shape, range(0, self.split_at), self.device, tables)
@@ -122,10 +121,10 @@ class RemoteSplit:
                              hello_for(self.split_at, identity, shape.fmt, tables, dtype, cfg.hidden_size,
                                        self.keep_max),
                              tables, shape.fmt, self.device, self.timeout)
-        first = LocalStage(model, local, scale, shape.max_context)
+        first = LocalStage(model, local, scale, shape.max_context, graphs)
         stages: list[Stage] = [first, remote]
         parts: list[StagePart] = [local, remote]
         kept = RemoteParts([local], [remote]) if self.keep_max else None
         return (SplitPool(tables, shape.fmt, parts, self.device, kept),
-                SplitRunner(model, stages, self.device, head_graphs(model, first, scale)))
+                SplitRunner(model, stages, self.device, head_graphs(model, first, scale, graphs)))
 

@@ -13,6 +13,7 @@ model's bit for bit where every stage's device computes alike.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any, Protocol
 
 import torch
@@ -20,6 +21,9 @@ import torch
 from strata.attention.select import backend_for, graphs_possible
 from strata.kv.pool import KvPool
 from strata.kv.step import SeqSpec, sampled_rows, step_positions
+
+# DecodeGraphs(model, pool, scale, layers, embed=, head=, rope=): the engine's graph capture
+GraphsFactory = Callable[..., Any]
 
 
 class Stage(Protocol):
@@ -55,7 +59,9 @@ class LocalStage:
     """
 
     def __init__(self, model: torch.nn.Module, pool: KvPool, scale: float, max_positions: int,
-                 graphs: bool = True) -> None:
+                 graphs: GraphsFactory | None = None) -> None:
+        """`graphs`: how to capture decode graphs (`engine/graphs.py: DecodeGraphs`, handed down
+        by the engine or `strata stage`); None: every step eager."""
         self.model = model
         self.pool = pool
         self.scale = scale
@@ -71,11 +77,9 @@ class LocalStage:
             dtype = next(model.layers[self.layers.start].parameters()).dtype
             self.rope = model.rope_for(max_positions, self.device, dtype)
         self.graphs = None
-        if graphs and graphs_possible(self.context):
-            from strata.engine.graphs import DecodeGraphs  # imports Triton
-
-            self.graphs = DecodeGraphs(model, pool, scale, self.layers, embed=self.layers.start == 0,
-                                       head=False, rope=self.rope)
+        if graphs is not None and graphs_possible(self.context):
+            self.graphs = graphs(model, pool, scale, self.layers, embed=self.layers.start == 0,
+                                 head=False, rope=self.rope)
 
     def decode(self, seqs: list[SeqSpec], tokens: list[int], h: torch.Tensor | None,
                device_ids: torch.Tensor | None = None) -> torch.Tensor:

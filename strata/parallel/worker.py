@@ -53,7 +53,7 @@ from strata.parallel.protocol import (
     send_runs,
 )
 from strata.parallel.remote import RemoteStage, split_address
-from strata.parallel.stages import LocalStage
+from strata.parallel.stages import GraphsFactory, LocalStage
 
 log = logging.getLogger("strata.stage")
 
@@ -132,10 +132,12 @@ class _Serving:
 
 
 class StageWorker:
-    def __init__(self, options: WorkerOptions) -> None:
+    def __init__(self, options: WorkerOptions, graphs: GraphsFactory | None = None) -> None:
+        """`graphs`: the decode-graph capture of the worker's stage (`engine/graphs.py`)."""
         if (options.next_address is None) != (options.split_at is None):
             raise StrataError("a relay needs both --next and --split-at")
         self.options = options
+        self.graphs = graphs
         self.device = resolve_device(options.device, str(options.model))
         self.dtype = resolve_dtype(options.dtype)
         host, port = split_address(options.listen, any_port=True)
@@ -264,7 +266,7 @@ class StageWorker:
             raise StrataError(limit)
         if loaded.model.max_positions < hello.max_context:
             loaded.model.set_max_positions(hello.max_context)
-        stage = LocalStage(loaded.model, pool, cfg.attn_scale, hello.max_context)
+        stage = LocalStage(loaded.model, pool, cfg.attn_scale, hello.max_context, self.graphs)
         nxt = None
         if self.options.next_address is not None:
             nxt = RemoteStage(self.options.next_address, self.options.key,
