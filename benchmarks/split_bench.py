@@ -17,8 +17,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import re
-import subprocess
 import sys
 import tempfile
 import time
@@ -26,10 +24,9 @@ from pathlib import Path
 from typing import Any
 
 from benchmarks.engine_runs import decode_run, prompt_run
+from benchmarks.stage_process import NO_MULTICAST, StageProcess
 from strata.engine.config import EngineConfig
 from strata.engine.engine import Engine
-
-NO_MULTICAST = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
 
 
 def _measure(cfg: EngineConfig, lanes: list[int], lengths: list[int], gen: int) -> dict[str, Any]:
@@ -43,19 +40,6 @@ def _measure(cfg: EngineConfig, lanes: list[int], lengths: list[int], gen: int) 
         row["stages"] = eng.stats()["stages"]
     print(json.dumps({k: v for k, v in row.items() if k != "stages"}), file=sys.stderr, flush=True)
     return row
-
-
-def _worker(args: argparse.Namespace, key: Path) -> tuple[subprocess.Popen, str]:
-    cmd = [sys.executable, "-m", "strata.cli", "stage", "--listen", "127.0.0.1:0", "--model", args.model,
-           "--device", args.remote_device, "--weights", "dense", "--stage-key-file", str(key),
-           "--stage-timeout", "600"]
-    proc = subprocess.Popen(cmd, stderr=subprocess.PIPE, text=True, env={**os.environ, **NO_MULTICAST})
-    assert proc.stderr is not None
-    for line in proc.stderr:
-        m = re.search(r"listening on (\S+)", line)
-        if m:
-            return proc, m.group(1)
-    raise RuntimeError("the stage worker exited before listening")
 
 
 def _ratios(rows: dict[str, Any]) -> dict[str, Any]:
@@ -109,14 +93,15 @@ def main(argv: list[str] | None = None) -> int:
         with tempfile.TemporaryDirectory() as tmp:
             key = Path(tmp) / "stage.key"
             key.write_text(os.urandom(24).hex())
-            proc, address = _worker(args, key)
+            worker = StageProcess(["--model", args.model, "--device", args.remote_device, "--weights", "dense",
+                                   "--stage-key-file", str(key), "--stage-timeout", "600"],
+                                  Path(tmp) / "stage.log")
             try:
-                rows["remote"] = _measure(EngineConfig(**base, remote_stage=address, stage_key_file=str(key),
+                rows["remote"] = _measure(EngineConfig(**base, remote_stage=worker.address, stage_key_file=str(key),
                                                        split_at=split_at, stage_timeout=600.0),
                                           lanes, lengths, args.gen)
             finally:
-                proc.kill()
-                proc.wait(30)
+                worker.kill()
     result = {"model": args.model, "configs": rows, "ratio_to_one": _ratios(rows)}
     text = json.dumps(result, indent=1)
     print(text)

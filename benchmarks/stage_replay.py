@@ -27,8 +27,6 @@ import argparse
 import json
 import os
 import platform
-import re
-import subprocess
 import sys
 import tempfile
 import time
@@ -38,6 +36,7 @@ from typing import Any
 
 import torch
 
+from benchmarks.stage_process import StageProcess
 from strata.engine.config import EngineConfig
 from strata.engine.engine import Engine
 from strata.engine.types import SamplingParams
@@ -85,40 +84,10 @@ def system_prompt(tok: Tokenizer, tokens: int) -> str:
     return "".join(parts)
 
 
-class StageProcess:
-    """`strata stage` in a child process, its log in a file; `address` once it listens."""
-
-    def __init__(self, args: argparse.Namespace, key_file: Path, log_file: Path) -> None:
-        cmd = [sys.executable, "-m", "strata.cli", "stage", "--listen", "127.0.0.1:0",
-               "--device", args.device, "--stage-key-file", str(key_file),
-               "--dtype", args.dtype, "--weights", args.weights, "--threads", str(args.threads)]
-        if args.model is not None:
-            cmd += ["--model", args.model]
-        self.log_file = log_file
-        with log_file.open("w") as log:  # a file, not a pipe: nobody has to drain it
-            self.proc = subprocess.Popen(cmd, stderr=log, stdout=subprocess.DEVNULL)
-        found = self._wait(lambda text: re.search(r"listening on (\S+)", text), 120)
-        self.address = found.group(1)
-
-    def log(self) -> str:
-        return self.log_file.read_text(errors="replace")
-
-    def _wait(self, found: Any, timeout: float) -> Any:
-        end = time.monotonic() + timeout
-        while not (hit := found(self.log())):
-            if time.monotonic() > end or self.proc.poll() is not None:
-                raise RuntimeError("strata stage: " + self.log()[-2000:])
-            time.sleep(0.2)
-        return hit
-
-    def wait_gone(self, mains: int, timeout: float = 30) -> None:
-        """Until the worker has seen `mains` mains go: the next one is then not refused."""
-        self._wait(lambda text: text.count(" gone (") >= mains, timeout)
-
-    def kill(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.kill()
-        self.proc.wait(10)
+def start_worker(args: argparse.Namespace, key_file: Path, log_file: Path) -> StageProcess:
+    flags = ["--device", args.device, "--stage-key-file", str(key_file), "--dtype", args.dtype,
+             "--weights", args.weights, "--threads", str(args.threads)]
+    return StageProcess(flags + (["--model", args.model] if args.model is not None else []), log_file)
 
 
 def engine_config(name: str, base: EngineConfig, address: str | None, key_file: Path,
@@ -289,7 +258,7 @@ def main(argv: list[str] | None = None) -> int:
         key_file.chmod(0o600)
         try:
             if any(n != "one_process" for n in names):
-                worker = StageProcess(args, key_file, Path(tmp) / "stage.log")
+                worker = start_worker(args, key_file, Path(tmp) / "stage.log")
             system: str | None = None
             for name in sorted(names, key=CONFIGS.index):  # one_process first: the reference
                 cfg = engine_config(name, base, worker.address if worker else None, key_file, split_at,
@@ -312,7 +281,7 @@ def main(argv: list[str] | None = None) -> int:
                 results[name] = res
                 if worker is not None and cfg.remote_stage is not None:
                     mains += 1
-                    worker.wait_gone(mains)
+                    worker.wait_for(" gone (", 30, count=mains)  # the next main is not refused
         except Exception:
             if worker is not None:  # the worker's side of a failure
                 sys.stderr.write(worker.log()[-4000:])

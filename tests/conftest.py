@@ -14,6 +14,12 @@ from strata.default_model import default_model_path
 settings.register_profile("fuzz-long", max_examples=20_000, deadline=None)
 
 
+def pytest_addoption(parser: pytest.Parser) -> None:
+    parser.addoption("--gpu-tokenizer", default=None, metavar="GGUF",
+                     help="GPU tests: a GGUF holding the default model's tokenizer, where the embedded "
+                          "model is not installed (`python -m tools.synth OUT --tokenizer-only` writes one)")
+
+
 @pytest.fixture(scope="session")
 def default_gguf() -> Path:
     return default_model_path()

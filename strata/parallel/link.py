@@ -76,7 +76,11 @@ def _first_line(e: Exception) -> str:
 
 def _gloo_group(store: dist.Store, rank: int, local_host: str,
                 timeout: timedelta) -> ProcessGroupGloo:
-    """A gloo backend bound to the address this end's control socket uses (not the hostname's)."""
+    """A gloo backend bound to the address this end's control socket uses (not the hostname's).
+
+    `_Options` is torch's settings record for a backend, filled field by field (as
+    `torch.distributed.new_group` fills it): the binding has no constructor that takes devices.
+    """
     opts = ProcessGroupGloo._Options()
     opts._devices = [ProcessGroupGloo.create_device(hostname=local_host)]
     opts._timeout = timeout
@@ -88,8 +92,7 @@ def _nccl_group(store: dist.Store, rank: int, timeout: timedelta) -> C10dBackend
     """An NCCL backend on the same store; its communicator forms at the first send or receive."""
     from torch.distributed import ProcessGroupNCCL
 
-    opts = ProcessGroupNCCL.Options()
-    opts.is_high_priority_stream = False
+    opts = ProcessGroupNCCL.Options()  # torch's settings record, as for gloo above
     opts._timeout = timeout
     return ProcessGroupNCCL(store, rank, 2, opts)
 

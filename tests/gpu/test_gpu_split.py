@@ -5,18 +5,13 @@ code as `--gpus 0,1`, each stage with its own pool part and CUDA graphs, a captu
 the main device. The remote stage runs a `strata stage` child on the same GPU (tensors then
 travel by gloo through the host: NCCL needs two GPUs). The model is a random four-layer GGUF
 (`tools.synth --shape tiny-4`) with the default model's tokenizer, from the embedded model or
-STRATA_GPU_TOKENIZER. Lane-by-lane requests must match exactly; a batch of four submitted at
+`--gpu-tokenizer`. Lane-by-lane requests must match exactly; a batch of four submitted at
 once is reported (on the GPU a lane's bits may depend on its company, issue 20).
 """
 
 from __future__ import annotations
 
 import json
-import os
-import re
-import subprocess
-import sys
-import time
 
 import pytest
 
@@ -26,11 +21,10 @@ import torch
 if not torch.cuda.is_available():
     pytest.skip("needs a CUDA device", allow_module_level=True)
 
-from strata.default_model import default_model_path
+from benchmarks.stage_process import StageProcess
 from strata.engine.config import EngineConfig
 from strata.engine.engine import Engine
 from strata.engine.types import SamplingParams
-from strata.errors import ModelLoadError
 
 PROMPTS = ["The quick brown fox", "In 1492, Columbus sailed", "Water boils at", "Once upon a time"]
 PARAMS = SamplingParams(max_tokens=24, ignore_eos=True)
@@ -38,17 +32,11 @@ KEY = "a-gpu-stage-test-key-0123456789"
 
 
 @pytest.fixture(scope="module")
-def model(tmp_path_factory: pytest.TempPathFactory) -> str:
-    tok = os.environ.get("STRATA_GPU_TOKENIZER")
-    if not tok:
-        try:
-            tok = str(default_model_path())
-        except ModelLoadError as e:
-            pytest.skip(f"no tokenizer: {e}")
+def model(tmp_path_factory: pytest.TempPathFactory, gpu_tokenizer: str) -> str:
     from tools.synth import main as synth
 
     out = tmp_path_factory.mktemp("split-gpu") / "tiny4.gguf"
-    assert synth([str(out), "--shape", "tiny-4", "--tokenizer-from", tok]) == 0
+    assert synth([str(out), "--shape", "tiny-4", "--tokenizer-from", gpu_tokenizer]) == 0
     return str(out)
 
 
@@ -87,25 +75,15 @@ def test_two_stages_on_the_gpu_equal_one(model, one_gpu) -> None:
 def test_remote_stage_on_the_gpu_equals_one(model, one_gpu, tmp_path) -> None:
     key = tmp_path / "key"
     key.write_text(KEY)
-    cmd = [sys.executable, "-m", "strata.cli", "stage", "--listen", "127.0.0.1:0", "--model", model,
-           "--device", "cuda", "--weights", "dense", "--stage-key-file", str(key)]
-    worker = subprocess.Popen(cmd, stderr=subprocess.PIPE, text=True)
+    worker = StageProcess(["--model", model, "--device", "cuda", "--weights", "dense",
+                           "--stage-key-file", str(key)], tmp_path / "stage.log")
     try:
-        address = None
-        deadline = time.monotonic() + 120
-        assert worker.stderr is not None
-        while address is None and time.monotonic() < deadline:
-            line = worker.stderr.readline()
-            assert line, "the worker exited"
-            m = re.search(r"listening on (\S+)", line)
-            address = m.group(1) if m else None
-        with Engine(_config(model, remote_stage=address, stage_key_file=str(key), split_at=2)) as eng:
+        with Engine(_config(model, remote_stage=worker.address, stage_key_file=str(key), split_at=2)) as eng:
             alone, batch = _answers(eng)
             stage = eng.stats()["stages"][1]
     finally:
         worker.kill()
-        worker.wait(10)
     agree = sum(a == b for a, b in zip(batch, one_gpu[1]))
     print(f"\n[gpu-remote] batch of 4 equal to one GPU: {agree} of 4; stage "
-          f"{json.dumps({k: stage[k] for k in ('steps', 'link_seconds_per_step', 'bytes_per_step')})}")
+          f"{json.dumps({k: stage[k] for k in ('steps', 'link_seconds_per_decode_step', 'bytes_per_step')})}")
     assert alone == one_gpu[0]

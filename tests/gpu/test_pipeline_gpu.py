@@ -1,14 +1,11 @@
 """Pipelined greedy decode on the GPU (CUDA graphs, ids fed on the device): the same results as without.
 
 A tiny random llama (tests/tiny_llama.py) with the default model's tokenizer, which comes
-from the embedded model or from STRATA_GPU_TOKENIZER (a GGUF holding it, such as the one
+from the embedded model or from `--gpu-tokenizer` (a GGUF holding it, such as the one
 `python -m tools.synth OUT --tokenizer-only` writes).
 """
 
 from __future__ import annotations
-
-import os
-from pathlib import Path
 
 import pytest
 
@@ -18,11 +15,9 @@ import torch
 if not torch.cuda.is_available():
     pytest.skip("needs a CUDA device", allow_module_level=True)
 
-from strata.default_model import default_model_path
 from strata.engine.config import EngineConfig
 from strata.engine.engine import Engine
 from strata.engine.types import SamplingParams
-from strata.errors import ModelLoadError
 from strata.models import load_model
 from strata.tokenizer import Tokenizer
 
@@ -31,13 +26,8 @@ PROMPTS = ["The quick brown fox", "In 1492, Columbus sailed", "Water boils at", 
 
 
 @pytest.fixture(scope="module")
-def tiny(tmp_path_factory: pytest.TempPathFactory):
-    path = os.environ.get("STRATA_GPU_TOKENIZER")
-    if not path:
-        try:
-            path = str(default_model_path())
-        except ModelLoadError as e:
-            pytest.skip(f"no tokenizer: {e}")
+def tiny(tmp_path_factory: pytest.TempPathFactory, gpu_tokenizer: str):
+    path = gpu_tokenizer
     from gguf import GGUFReader
 
     from strata.gguf.reader import field_value

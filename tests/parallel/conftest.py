@@ -3,16 +3,13 @@ shared key, and workers as threads or as `strata stage` processes."""
 
 from __future__ import annotations
 
-import re
-import subprocess
-import sys
 import threading
-import time
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
+from benchmarks.stage_process import StageProcess
 from strata.parallel.worker import StageWorker, WorkerOptions
 
 KEY = "a-shared-stage-key-for-tests-0123"
@@ -64,56 +61,18 @@ def thread_worker(four_layers: Path) -> Iterator:
         assert not t.is_alive(), "a stage worker did not stop"
 
 
-class WorkerProcess:
-    """`strata stage` in a child process; `address` once it listens."""
-
-    def __init__(self, model: Path, key_file: Path, *extra: str, port: int = 0) -> None:
-        cmd = [sys.executable, "-m", "strata.cli", "stage", "--listen", f"127.0.0.1:{port}",
-               "--model", str(model), "--device", "cpu", "--dtype", "bfloat16", "--weights", "dense",
-               "--stage-key-file", str(key_file), "--stage-timeout", "20", "--threads", "1", *extra]
-        self.proc = subprocess.Popen(cmd, stderr=subprocess.PIPE, text=True)
-        self.lines: list[str] = []
-        self._seen = threading.Condition()
-        threading.Thread(target=self._read, daemon=True).start()
-        line = self.wait_for("listening on", 60)
-        self.address = re.search(r"listening on (\S+)", line).group(1)  # type: ignore[union-attr]
-        self.port = int(self.address.rsplit(":", 1)[1])
-
-    def _read(self) -> None:
-        assert self.proc.stderr is not None
-        for line in self.proc.stderr:
-            with self._seen:
-                self.lines.append(line)
-                self._seen.notify_all()
-
-    def wait_for(self, text: str, timeout: float) -> str:
-        end = time.monotonic() + timeout
-        with self._seen:
-            while True:
-                for line in self.lines:
-                    if text in line:
-                        return line
-                left = end - time.monotonic()
-                if left <= 0 or self.proc.poll() is not None and not self._seen.wait(0.2):
-                    raise AssertionError(f"no {text!r} from the worker: {''.join(self.lines)[-2000:]}")
-                self._seen.wait(left)
-
-    def kill(self) -> None:
-        self.proc.kill()
-        self.proc.wait(10)
-
-
 @pytest.fixture
-def worker_process(four_layers: Path, key_file: Path) -> Iterator[type[WorkerProcess]]:
+def worker_process(four_layers: Path, key_file: Path, tmp_path: Path) -> Iterator:
     """Start `strata stage` processes (all killed at the end of the test)."""
-    started: list[WorkerProcess] = []
+    started: list[StageProcess] = []
 
-    def start(*extra: str, model: Path = four_layers, port: int = 0) -> WorkerProcess:
-        w = WorkerProcess(model, key_file, *extra, port=port)
+    def start(*extra: str, model: Path = four_layers, port: int = 0) -> StageProcess:
+        flags = ["--model", str(model), "--device", "cpu", "--dtype", "bfloat16", "--weights", "dense",
+                 "--stage-key-file", str(key_file), "--stage-timeout", "20", "--threads", "1", *extra]
+        w = StageProcess(flags, tmp_path / f"stage{len(started)}.log", port=port, timeout=60)
         started.append(w)
         return w
 
-    yield start  # type: ignore[misc]
+    yield start
     for w in started:
-        if w.proc.poll() is None:
-            w.kill()
+        w.kill()
