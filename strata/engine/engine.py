@@ -116,15 +116,14 @@ class Engine:
         if split is not None:  # one pool over the stages' parts, one runner through them
             self.pool, self.runner = split.build(self.loaded.model, self.loaded.identity, shape,
                                                  mc.attn_scale, graphs_factory())
+            for i, st in enumerate(self.runner.describe_stages()):
+                log.info("stage %d: layers %d-%d on %s, KV %.1f MiB", i, st["layers"][0], st["layers"][1] - 1,
+                         st.get("device") or st.get("address"), st.get("kv_bytes", 0) / 2**20)
         else:  # K/V in (pinned) host RAM with --kv-resident, N cells per layer on the device
             self.pool = part_on(shape, range(mc.num_layers), self.device, None)
             self.runner = Runner(self.loaded.model, self.pool, mc.attn_scale, self.device)
         log.info("%s", describe_pool(config.parallel, self.pool.num_chunks, chunk, self.pool.total_bytes(),
                                      fmt.name, self.pool.shared))
-        if split is not None:
-            for i, st in enumerate(self.runner.describe_stages()):
-                log.info("stage %d: layers %d-%d on %s, KV %.1f MiB", i, st["layers"][0], st["layers"][1] - 1,
-                         st.get("device") or st.get("address"), st.get("kv_bytes", 0) / 2**20)
         self.conversations: ConversationCache | None = None
         parking = None
         kept = self.pool.kept if isinstance(self.pool, SplitPool) else None

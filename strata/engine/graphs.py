@@ -150,9 +150,9 @@ class DecodeGraphs:
 
     def dtype(self) -> torch.dtype:
         """The hidden states' dtype: the part's first weights'."""
-        first = self.model.norm if self.layers is not None and not self.layers else \
-            self.model.layers[self.layers.start if self.layers is not None else 0]
-        return next(first.parameters()).dtype
+        first = self.layers.start if self.layers is not None else 0
+        part = self.model.layers[first] if first < len(self.model.layers) else self.model.norm  # a head
+        return next(part.parameters()).dtype
 
     def _entry(self, size: int) -> _Entry:
         e = self._entries.get(size)
