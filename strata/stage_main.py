@@ -6,6 +6,7 @@ import argparse
 import logging
 
 from strata.errors import StrataError
+from strata.models.quantize import WEIGHT_MODES
 from strata.parallel.handshake import read_key
 from strata.parallel.worker import StageWorker, WorkerOptions
 
@@ -23,7 +24,7 @@ def add_stage_arguments(parser: argparse.ArgumentParser) -> None:
                    help="the same .gguf file or model folder as the main's (default: embedded)")
     g.add_argument("--device", default="auto", help="auto | cpu | cuda | cuda:N")
     g.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
-    g.add_argument("--weights", default="auto", choices=["auto", "dense", "int8", "int4"],
+    g.add_argument("--weights", default="auto", choices=list(WEIGHT_MODES),
                    help="as the main's --weights (the model identity includes it)")
     g.add_argument("--kv-resident", type=int, default=None,
                    help="stream this worker's K/V: this many cells per layer on the device")

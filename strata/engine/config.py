@@ -11,6 +11,7 @@ from dataclasses import dataclass, fields
 
 from strata.errors import BadRequest
 from strata.models.loader import resolve_device
+from strata.models.quantize import WEIGHT_MODES
 from strata.parallel.build import LocalSplit, RemoteSplit
 
 
@@ -108,10 +109,11 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--device", default=d.device, help="auto | cpu | cuda | cuda:N (default: auto)")
     g.add_argument("--dtype", default=d.dtype, choices=["auto", "float32", "bfloat16", "float16"],
                    help="compute dtype (default: auto = bfloat16)")
-    g.add_argument("--weights", default=d.weights, choices=["auto", "dense", "int8", "int4"],
-                   help="weight storage: dense (exact), int8 or int4 (weight-only, faster CPU "
-                        "decode); auto = on the CPU in bfloat16 int4 for a 4-bit GGUF, else "
-                        "int8; dense elsewhere")
+    g.add_argument("--weights", default=d.weights, choices=list(WEIGHT_MODES),
+                   help="weight storage: gguf (a GGUF file's quantized blocks kept as they are "
+                        "and multiplied in place), dense (dequantized), int8 or int4 (weight-only "
+                        "re-quantized, CPU); auto = gguf for a quantized GGUF file, else int8 on "
+                        "the CPU in bfloat16, dense elsewhere")
     g.add_argument("--parallel", "-np", type=int, default=d.parallel, help="lanes decoded together")
     g.add_argument("--max-context", "-c", type=int, default=d.max_context,
                    help="tokens one conversation may reach")

@@ -28,7 +28,7 @@ from strata.engine.runner import Runner, graphs_factory
 from strata.engine.sampling import has_penalties, make_generator, sample
 from strata.engine.scheduler import Lane, Scheduler, Step
 from strata.engine.sessions import SessionFiles, SessionResult
-from strata.engine.stats import pool_and_lane_figures
+from strata.engine.stats import describe_memory, memory_figures, pool_and_lane_figures
 from strata.engine.stop import StopMatcher
 from strata.engine.types import FinishReason, PromptProgress, SamplingParams, StreamEvent
 from strata.errors import (
@@ -124,6 +124,7 @@ class Engine:
             self.runner = Runner(self.loaded.model, self.pool, mc.attn_scale, self.device)
         log.info("%s", describe_pool(config.parallel, self.pool.num_chunks, chunk, self.pool.total_bytes(),
                                      fmt.name, self.pool.shared))
+        log.info("%s", describe_memory(memory_figures(self.loaded, self.pool)))
         self.conversations: ConversationCache | None = None
         parking = None
         kept = self.pool.kept if isinstance(self.pool, SplitPool) else None
@@ -220,7 +221,8 @@ class Engine:
             grammar_mask_s=self.masks.counters.mask_s,
             conversation_cache=(self.conversations.stats().as_dict()
                                 if self.conversations is not None else None),
-            stages=self.runner.describe_stages(), knobs=knob_values())
+            stages=self.runner.describe_stages(), knobs=knob_values(),
+            **memory_figures(self.loaded, self.pool))
         return figures
 
     def close(self) -> None:

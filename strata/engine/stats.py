@@ -8,8 +8,12 @@ from __future__ import annotations
 
 from typing import Any
 
+import torch
+
 from strata.engine.scheduler import Scheduler
 from strata.kv.tables import TablePool
+from strata.memory import device_memory
+from strata.models.blocks import weight_bytes
 
 
 def _lane_state(lane: Any) -> str:
@@ -51,3 +55,30 @@ def pool_and_lane_figures(sched: Scheduler, pool: TablePool) -> dict[str, Any]:
         "restore_misses": c.restore_misses,
         "kv_stream": pool.figures(),
     }
+
+
+def memory_figures(loaded: Any, pool: TablePool) -> dict[str, Any]:
+    """Weight bytes on each device (each storage once), the stored tensors' bytes, the KV pool and
+    what each device has free now."""
+    weights = weight_bytes(loaded.model)
+    free: dict[str, int] = {}
+    total: dict[str, int] = {}
+    for dev in weights:
+        f, t = device_memory(torch.device(dev))
+        if f is not None:
+            free[dev] = f
+        if t is not None:
+            total[dev] = t
+    return {"weight_mode": loaded.weights, "weight_bytes": weights, "weight_file_bytes": loaded.file_bytes,
+            "pool_bytes": pool.total_bytes(), "device_free_bytes": free, "device_total_bytes": total}
+
+
+def describe_memory(mem: dict[str, Any]) -> str:
+    """The start-up line: weights per device against the file, the pool, what is left."""
+    gib = 2**30
+    where = ", ".join(f"{b / gib:.2f} GiB on {d}" for d, b in mem["weight_bytes"].items())
+    left = ", ".join(f"{d} {f / gib:.1f} of {mem['device_total_bytes'].get(d, 0) / gib:.1f} GiB"
+                     for d, f in mem["device_free_bytes"].items())
+    return (f"memory: weights ({mem['weight_mode']}) {where} (tensors in the file: "
+            f"{mem['weight_file_bytes'] / gib:.2f} GiB); KV pool {mem['pool_bytes'] / gib:.2f} GiB; "
+            f"free now: {left or 'unknown'}")

@@ -12,8 +12,10 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Sequence
 
+import numpy as np
 import torch
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
+from gguf import quants as gguf_quants
 
 from strata.errors import ModelLoadError
 from strata.gguf import kquants
@@ -91,6 +93,19 @@ _FLOAT_VIEWS: dict[GGMLQuantizationType, torch.dtype] = {
 SUPPORTED_TYPES: frozenset[GGMLQuantizationType] = frozenset(_BLOCK_KERNELS) | frozenset(
     _FLOAT_VIEWS
 )
+
+
+# Types only gguf.quants decodes (IQ1-IQ4, TQ, MXFP4, NVFP4, ...): read on the CPU through its
+# numpy code, which is slow (seconds per tensor) but exact. The loader warns once per type.
+FOREIGN_TYPES: frozenset[GGMLQuantizationType] = frozenset(
+    getattr(gguf_quants, "_type_traits", {})) - SUPPORTED_TYPES
+
+
+def foreign_dequantize(raw: np.ndarray, ggml_type: GGMLQuantizationType,
+                       shape: Sequence[int]) -> torch.Tensor:
+    """float32 values of a tensor of a FOREIGN_TYPES type, decoded by gguf.quants on the CPU."""
+    values = gguf_quants.dequantize(raw, GGMLQuantizationType(ggml_type))
+    return torch.from_numpy(np.ascontiguousarray(values, dtype=np.float32)).reshape(tuple(shape))
 
 
 def dequantize(

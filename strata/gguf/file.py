@@ -17,7 +17,7 @@ import torch
 from gguf import GGMLQuantizationType, ReaderTensor
 
 from strata.errors import ModelLoadError
-from strata.gguf.dequant import SUPPORTED_TYPES, dequantize
+from strata.gguf.dequant import FOREIGN_TYPES, SUPPORTED_TYPES, dequantize, foreign_dequantize
 from strata.gguf.reader import open_reader, read_metadata
 
 
@@ -91,11 +91,13 @@ class GGUFFile:
         if info is None:
             self._fail(f"no tensor named {name!r}")
         if info.ggml_type not in SUPPORTED_TYPES:
-            supported = ", ".join(sorted(t.name for t in SUPPORTED_TYPES))
-            self._fail(
-                f"tensor {name!r} has type {info.type_name}, which Strata cannot dequantize "
-                f"(supported: {supported})"
-            )
+            if info.ggml_type not in FOREIGN_TYPES:
+                supported = ", ".join(sorted(t.name for t in SUPPORTED_TYPES | FOREIGN_TYPES))
+                self._fail(
+                    f"tensor {name!r} has type {info.type_name}, which Strata cannot dequantize "
+                    f"(supported: {supported})"
+                )
+            return foreign_dequantize(self.raw(name), info.ggml_type, info.shape).to(device, dtype)
         raw = torch.from_numpy(self.raw(name)).to(device)
         return dequantize(raw, info.ggml_type, info.shape, dtype, name=name)
 

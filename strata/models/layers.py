@@ -20,6 +20,7 @@ from torch import nn
 from strata.attention.base import AttentionContext
 from strata.models import ops
 from strata.models.base import ModelConfig
+from strata.models.blocks import BlockLinear
 from strata.models.rope import apply_rope, inverse_frequencies, rope_tables
 
 
@@ -143,9 +144,12 @@ class DecoderLayer(nn.Module):
     ) -> torch.Tensor:
         if h.is_cuda and h.shape[0] == 1:  # one CUDA row: the products carry the small ops
             attn, mlp = self.self_attn, self.mlp
-            g = ops.row_kernels(h, attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)
+            lins = (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)
+            g = ops.row_kernels(h, *lins)
             if g is not None:
                 return self._forward_row(g, h, cos, sin, ctx)
+            if all(isinstance(m, BlockLinear) and m.takes_row(h) for m in lins):
+                return self._forward_row_blocks(h, cos, sin, ctx)
         a = self.self_attn.forward(self.input_layernorm.forward(h), cos, sin, ctx)
         post = self.post_attention_layernorm
         h, x = ops.add_rms_norm(h, a, post.weight, post.eps)  # the residual add and the next norm
@@ -166,6 +170,18 @@ class DecoderLayer(nn.Module):
         h = g.gemv(out, attn.o_proj.weight, residual=h)
         act = g.gemv(h, mlp.gate_up_proj.weight, norm_weight=post.weight, eps=post.eps, silu=True)
         return g.gemv(act, mlp.down_proj.weight, residual=h)
+
+
+    def _forward_row_blocks(self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                            ctx: AttentionContext) -> torch.Tensor:
+        """One CUDA row over GGUF blocks (`blocks.py`): the same folds, RoPE left to attention."""
+        attn, mlp = self.self_attn, self.mlp
+        pre, post = self.input_layernorm, self.post_attention_layernorm
+        qkv = attn.qkv_proj.row(h, norm_weight=pre.weight, eps=pre.eps)
+        out = attn.attend(qkv, cos, sin, ctx, roped=False)
+        h = attn.o_proj.row(out, residual=h)
+        act = mlp.gate_up_proj.row(h, norm_weight=post.weight, eps=post.eps, silu=True)
+        return mlp.down_proj.row(act, residual=h)
 
 
 class DecoderModel(nn.Module):
@@ -198,7 +214,7 @@ class DecoderModel(nn.Module):
 
     def set_max_positions(self, n: int) -> None:
         """(Re)build the RoPE tables for positions 0..n-1 on the weights' device and dtype."""
-        w = self.embed_tokens.weight
+        w = self.norm.weight  # the ends' device and the compute dtype (the embedding may be blocks)
         self.rope_cos, self.rope_sin = self.rope_for(n, w.device, w.dtype)
 
     def rope_for(self, n: int, device: torch.device, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
@@ -240,6 +256,10 @@ class DecoderModel(nn.Module):
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden [N, hidden_size] -> float32 logits [N, vocab]."""
         head = self.embed_tokens if self.lm_head is None else self.lm_head
+        if isinstance(head, BlockLinear):
+            if head.takes_row(hidden):
+                return head.row(hidden, out_dtype=torch.float32)
+            return head.forward(hidden).float()
         g = ops.row_kernels(hidden, head)
         if g is not None:
             return g.gemv(hidden, head.weight, out_dtype=torch.float32)

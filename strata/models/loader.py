@@ -25,6 +25,7 @@ from strata.models.base import ModelConfig
 from strata.models.config import config_from_gguf, config_from_hf, gguf_architecture
 from strata.models.layers import DecoderModel
 from strata.models.naming import Part, gguf_parts, hf_parts
+from strata.models.block_install import blocks_fit, install_blocks
 from strata.models.quantize import quantize_weights, resolve_weight_mode
 from strata.models.sources import GGUFSource, SafetensorsSource, WeightSource
 from strata.tokenizer import Tokenizer
@@ -70,7 +71,8 @@ class LoadedModel:
     path: str
     device: torch.device
     dtype: torch.dtype
-    weights: str = "dense"  # dense | int8 | int4
+    weights: str = "dense"  # dense | gguf | int8 | int4
+    file_bytes: int = 0  # the stored tensors' bytes (the whole file's, every stage's layers)
 
 
 def resolve_device(device: str | torch.device, path: str) -> torch.device:
@@ -106,8 +108,10 @@ def load_model(
     The tokenizer comes from the GGUF metadata or the folder's tokenizer.json;
     a file without one (a random-weight benchmark file) gives tokenizer None,
     while a broken one is a ModelLoadError like any other bad input.
-    `weights`: dense (exact dequantized weights), int8 (weight-only int8, see
-    quantize.py) or auto (int8 on the CPU in bfloat16). `place`: where each layer goes, for a layer
+    `weights`: dense (exact dequantized weights), gguf (a GGUF file's blocks kept and multiplied
+    in place, `blocks.py`), int8 / int4 (weight-only, see quantize.py) or auto (gguf for a
+    quantized GGUF file where the device's block kernels take it; int8 / int4 on the CPU in
+    bfloat16 otherwise). `place`: where each layer goes, for a layer
     split (None: everything on `device`), asked for once the model's configuration is read; its
     `layers` must have one entry per layer.
     """
@@ -130,13 +134,20 @@ def load_model(
         dev = placement.main_device()
     with torch.device("meta"):
         model = arch.model_class(cfg)
-    _fill(model, source, parts_of, path, placement or Placement((dev,) * cfg.num_layers, dev), dt, progress)
+    placement = placement or Placement((dev,) * cfg.num_layers, dev)
+    mode = resolve_weight_mode(weights, dev, dt, four_bit_source=_four_bit(source),
+                               block_source=isinstance(source, GGUFSource) and blocks_fit(source, dev))
+    if mode == "gguf":
+        if not isinstance(source, GGUFSource):
+            raise ModelLoadError(path, "--weights gguf keeps a GGUF file's blocks: this is not a GGUF file")
+        install_blocks(model, source, parts_of, placement, dt)
+    _fill(model, source, parts_of, path, placement, dt, progress)
     model.requires_grad_(False).eval()
     model.set_max_positions(cfg.max_position_embeddings)
-    mode = resolve_weight_mode(weights, dev, dt, four_bit_source=_four_bit(source))
     identity = source.identity()
     if mode in ("int8", "int4"):
         quantize_weights(model, mode, dt)
+    if mode != "dense":
         identity += f"+{mode}"  # K/V computed with other weights: session files must not mix them
     return LoadedModel(
         model=model,
@@ -148,6 +159,7 @@ def load_model(
         device=dev,
         dtype=dt,
         weights=mode,
+        file_bytes=source.tensor_bytes(),
     )
 
 

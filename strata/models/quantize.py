@@ -16,7 +16,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-WEIGHT_MODES = ("auto", "dense", "int8", "int4")
+WEIGHT_MODES = ("auto", "dense", "gguf", "int8", "int4")
 INT4_GROUP = 32
 
 
@@ -67,14 +67,16 @@ class Int4Linear(nn.Module):
 
 
 def resolve_weight_mode(mode: str, device: torch.device, dtype: torch.dtype,
-                        four_bit_source: bool = False) -> str:
-    """`auto` on the CPU in bfloat16: int4 for a file whose projections are 4-bit, else int8.
-
-    Never fewer bits than the file holds; elsewhere (GPU, float32) dense.
+                        four_bit_source: bool = False, block_source: bool = False) -> str:
+    """`auto`: gguf (the file's blocks, `blocks.py`) for a GGUF file whose weights are blocks the
+    device's kernels take; otherwise on the CPU in bfloat16 int4 for a file whose projections are
+    4-bit, else int8. Never fewer bits than the file holds; elsewhere (GPU, float32) dense.
     """
     if mode not in WEIGHT_MODES:
         raise ValueError(f"--weights must be one of {', '.join(WEIGHT_MODES)}, not {mode!r}")
     if mode == "auto":
+        if block_source:
+            return "gguf"
         if device.type != "cpu" or dtype != torch.bfloat16:
             return "dense"
         return "int4" if four_bit_source else "int8"

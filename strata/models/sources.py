@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import hashlib
 import json
+import logging
+import math
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -16,6 +18,10 @@ import torch
 from safetensors import SafetensorError, safe_open
 
 from strata.errors import ModelLoadError
+
+log = logging.getLogger(__name__)
+_DTYPE_BYTES = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2, "I64": 8, "I32": 4, "I16": 2, "I8": 1, "U8": 1,
+                "BOOL": 1}
 
 
 class WeightSource(Protocol):
@@ -33,16 +39,22 @@ class WeightSource(Protocol):
         """sha256 over tensor names, shapes and types."""
         ...
 
+    def tensor_bytes(self) -> int:
+        """Bytes of all tensors as stored (what the weights on a device are compared with)."""
+        ...
+
 
 class GGUFSource:
     """Tensors of a GGUF file, dequantized by `strata.gguf` on the target device."""
 
     def __init__(self, path: str) -> None:
-        from strata.gguf import SUPPORTED_TYPES, GGUFFile  # only GGUF loads pay for the reader
+        from strata.gguf import FOREIGN_TYPES, SUPPORTED_TYPES, GGUFFile  # only GGUF loads pay for the reader
 
         self.path = path
         self.file = GGUFFile(path)
         self.supported = SUPPORTED_TYPES
+        self.foreign = FOREIGN_TYPES
+        self._warned: set[Any] = set()
 
     def names(self) -> set[str]:
         return set(self.file.tensors)
@@ -52,8 +64,13 @@ class GGUFSource:
 
     def check(self, name: str) -> None:
         info = self.file.tensors[name]
-        if info.ggml_type not in self.supported:
-            supported = ", ".join(sorted(t.name for t in self.supported))
+        if info.ggml_type in self.foreign:
+            if info.ggml_type not in self._warned:
+                self._warned.add(info.ggml_type)
+                log.warning("%s: tensors of type %s are decoded by gguf.quants on the CPU (slow to "
+                            "load, no kernel computes with them)", self.path, info.type_name)
+        elif info.ggml_type not in self.supported:
+            supported = ", ".join(sorted(t.name for t in self.supported | self.foreign))
             raise ModelLoadError(
                 self.path,
                 f"tensor {name} has quantization type {info.type_name}, which is not supported "
@@ -63,8 +80,21 @@ class GGUFSource:
     def load(self, name: str, device: torch.device, dtype: torch.dtype) -> torch.Tensor:
         return self.file.load(name, device, dtype)
 
+    def block_type(self, name: str) -> Any:
+        """The tensor's ggml type (a GGMLQuantizationType)."""
+        return self.file.tensors[name].ggml_type
+
+    def blocks(self, name: str, device: torch.device) -> torch.Tensor:
+        """The tensor's bytes as uint8 [rows, row_bytes] on `device`: ggml keeps each row's blocks
+        together, so a row of bytes is a weight row."""
+        raw = torch.from_numpy(self.file.raw(name)).to(device)
+        return raw.reshape(self.file.tensors[name].shape[0], -1)
+
     def identity(self) -> str:
         return self.file.identity()
+
+    def tensor_bytes(self) -> int:
+        return sum(t.nbytes for t in self.file.tensors.values())
 
 
 class SafetensorsSource:
@@ -122,6 +152,13 @@ class SafetensorsSource:
 
     def load(self, name: str, device: torch.device, dtype: torch.dtype) -> torch.Tensor:
         return self._file_of[name].get_tensor(name).to(device=device, dtype=dtype)
+
+    def tensor_bytes(self) -> int:
+        total = 0
+        for name in self._file_of:
+            sl = self._file_of[name].get_slice(name)
+            total += math.prod(sl.get_shape()) * _DTYPE_BYTES.get(str(sl.get_dtype()), 4)
+        return total
 
     def identity(self) -> str:
         h = hashlib.sha256()

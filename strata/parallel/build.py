@@ -116,7 +116,7 @@ class RemoteSplit:
         cfg = model.config
         tables = ChunkTables(shape.lanes, shape.max_context, shape.chunk, shape.pool_tokens)
         local = part_on(shape, range(0, self.split_at), self.device, tables)
-        dtype = model.embed_tokens.weight.dtype
+        dtype = model.norm.weight.dtype
         remote = RemoteStage(self.address, self.key,
                              hello_for(self.split_at, identity, shape.fmt, tables, dtype, cfg.hidden_size,
                                        self.keep_max),

@@ -30,6 +30,7 @@ from strata.errors import StrataError
 from strata.kv.formats import Storage, make_format
 from strata.kv.step import SeqSpec, step_positions
 from strata.kv.tables import ChunkTables
+from strata.memory import available_ram
 from strata.models.loader import LoadedModel, Placement, load_model, resolve_device, resolve_dtype
 from strata.parallel.build import PoolShape, part_on
 from strata.parallel.handshake import StageLinkError
@@ -73,18 +74,6 @@ class WorkerOptions:
 
 
 MAX_KEPT = 64  # conversation parts one worker keeps at most, whatever its RAM
-
-
-def available_ram() -> int | None:
-    """Bytes of RAM available to new allocations (Linux MemAvailable), or None if unknown."""
-    try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except (OSError, ValueError, IndexError):
-        return None
-    return None
 
 
 def keep_limit_error(keep_max: int, part_bytes: int, ram: int | None) -> str | None:

@@ -28,7 +28,8 @@ MONOTONIC_KEYS = {
     "restore_misses",
 }
 # The label used when a figure is a dict: chunks per session are keyed by lane.
-DICT_LABELS = {"chunks_per_session": "lane", "tokens_per_session": "lane", "refusals": "reason"}
+DICT_LABELS = {"chunks_per_session": "lane", "tokens_per_session": "lane", "refusals": "reason",
+               "weight_bytes": "device", "device_free_bytes": "device", "device_total_bytes": "device"}
 # Dicts of distinct figures (not one figure per label): one gauge each, named key_sub.
 # None means the feature is off; `key_enabled` tells that apart from a cache at zero.
 FLATTENED_KEYS = {"conversation_cache"}

@@ -7,8 +7,10 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+import torch
 from conftest import WriteGGUF
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFEndian
+from gguf import quants as gguf_quants
 
 from strata.errors import ModelLoadError
 from strata.gguf import GGUFFile
@@ -105,17 +107,30 @@ def test_big_endian_file(write_gguf: WriteGGUF) -> None:
     assert "big-endian" in open_error(path).problem
 
 
-def test_unsupported_tensor_type(write_gguf: WriteGGUF) -> None:
+def test_foreign_tensor_type_loads_through_gguf_quants(write_gguf: WriteGGUF) -> None:
+    """A type only gguf.quants decodes (IQ2_XXS) loads with its values, not a refusal."""
     _, type_size = GGML_QUANT_SIZES[T.IQ2_XXS]
-    raw = np.zeros((2, type_size), dtype=np.uint8)
+    raw = np.random.default_rng(0).integers(0, 256, (2, type_size), dtype=np.uint8)
+    raw[:, 0:2] = np.frombuffer(np.float16(0.01).tobytes(), dtype=np.uint8)  # a finite scale
     path = write_gguf("iq.gguf", [("blk.0.attn_q.weight", raw, T.IQ2_XXS)])
     f = GGUFFile(path)
     assert f.tensors["blk.0.attn_q.weight"].type_name == "IQ2_XXS"
     assert f.raw("blk.0.attn_q.weight").nbytes == 2 * type_size
+    got = f.load("blk.0.attn_q.weight")
+    want = gguf_quants.dequantize(raw, T.IQ2_XXS).reshape(2, -1)
+    assert got.shape == (2, 256) and torch.equal(got, torch.from_numpy(want))
+    assert got.abs().sum() > 0
+
+
+def test_unsupported_tensor_type(write_gguf: WriteGGUF) -> None:
+    _, type_size = GGML_QUANT_SIZES[T.Q8_K]  # no decoder anywhere: an intermediate type of ggml's
+    raw = np.zeros((2, type_size), dtype=np.uint8)
+    path = write_gguf("q8k.gguf", [("blk.0.attn_q.weight", raw, T.Q8_K)])
+    f = GGUFFile(path)
     with pytest.raises(ModelLoadError) as err:
         f.load("blk.0.attn_q.weight")
     message = str(err.value)
-    assert str(path) in message and "blk.0.attn_q.weight" in message and "IQ2_XXS" in message
+    assert str(path) in message and "blk.0.attn_q.weight" in message and "Q8_K" in message
 
 
 def test_unknown_tensor_name(write_gguf: WriteGGUF) -> None:

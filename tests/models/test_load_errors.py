@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import json
+import logging
 
 import numpy as np
 import pytest
 import torch
 from gguf import GGMLQuantizationType as Q
+from gguf import quants as gguf_quants
 from gguf_export import write_gguf
 from safetensors.torch import load_file, save_file
 from tiny_models import save_tiny, tiny_hf_model
@@ -64,17 +66,28 @@ def test_unsupported_rope_scaling(tmp_path) -> None:
     assert "rope scaling 'yarn' is not supported" in load_error(tmp_path).problem
 
 
-def test_unsupported_quantization(tmp_path) -> None:
+def test_foreign_quantization_loads_with_a_warning(tmp_path, caplog) -> None:
+    """A type only gguf.quants decodes (IQ4_NL) loads, with one warning line naming it."""
     # IQ4_NL: 18-byte blocks of 32 weights; ffn_down is [64, 128], so 4 blocks a row
     blob = np.random.default_rng(0).integers(0, 255, size=(64, 72), dtype=np.uint8)
-    path = write_gguf(
-        tiny_hf_model("llama_plain"),
-        tmp_path / "t.gguf",
-        "llama",
-        raw={"ffn_down.weight": (blob, Q.IQ4_NL)},
-    )
+    blob.reshape(64, 4, 18)[:, :, 0:2] = np.frombuffer(np.float16(0.01).tobytes(), dtype=np.uint8)
+    path = write_gguf(tiny_hf_model("llama_plain"), tmp_path / "t.gguf", "llama",
+                      raw={"ffn_down.weight": (blob, Q.IQ4_NL)})
+    with caplog.at_level(logging.WARNING):
+        loaded = load_model(str(path), device="cpu", dtype="float32", weights="dense", progress=False)
+    lines = [r.getMessage() for r in caplog.records if "IQ4_NL" in r.getMessage()]
+    assert len(lines) == 1 and "gguf.quants" in lines[0]
+    want = torch.from_numpy(gguf_quants.dequantize(blob, Q.IQ4_NL)).reshape(64, 128)
+    assert torch.equal(loaded.model.layers[0].mlp.down_proj.weight, want)
+
+
+def test_unsupported_quantization(tmp_path) -> None:
+    # Q8_1 (40-byte blocks of 32, ggml's intermediate type): nothing decodes it
+    blob = np.zeros((64, 4 * 40), dtype=np.uint8)
+    path = write_gguf(tiny_hf_model("llama_plain"), tmp_path / "t.gguf", "llama",
+                      raw={"ffn_down.weight": (blob, Q.Q8_1)})
     problem = load_error(path).problem
-    assert "blk.0.ffn_down.weight" in problem and "IQ4_NL" in problem and "Q8_0" in problem
+    assert "blk.0.ffn_down.weight" in problem and "Q8_1" in problem and "Q8_0" in problem
 
 
 def test_missing_tensor_in_gguf(tmp_path) -> None:

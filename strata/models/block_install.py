@@ -1,0 +1,96 @@
+"""Which parts of a meta-built model take a GGUF file's blocks as they are (`--weights gguf`).
+
+Before the loader reads anything dense, every projection (q/k/v, o, gate/up,
+down, the output head) and the embedding whose stored tensors are all of
+block types the device's kernels take is replaced by a `BlockLinear` /
+`BlockEmbedding` holding the file's bytes; the loader then fills what is
+left (norms, biases, and tensors of other types) as before. A tensor of a
+type without a kernel on that device (IQ2_XS on CUDA, say) is dequantized
+on load like in the dense mode, and one warning line per type says so and
+what it costs.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from typing import Protocol
+
+import torch
+from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
+from torch import nn
+
+from strata.models.blocks import FLOAT_TYPES, BlockEmbedding, BlockLinear, kernel_takes
+from strata.models.naming import Part
+
+log = logging.getLogger(__name__)
+PROJECTIONS = (("self_attn", "qkv_proj"), ("self_attn", "o_proj"), ("mlp", "gate_up_proj"),
+               ("mlp", "down_proj"))
+
+
+class BlockSource(Protocol):
+    def block_type(self, name: str) -> GGMLQuantizationType: ...
+
+    def blocks(self, name: str, device: torch.device) -> torch.Tensor: ...
+
+    def names(self) -> set[str]: ...
+
+
+class Placed(Protocol):
+    def device_of(self, param_name: str) -> torch.device | None: ...
+
+
+def blocks_fit(source: BlockSource, device: torch.device) -> bool:
+    """Whether most of a file's feed-forward weights are blocks that `device`'s kernels take
+    (what `--weights auto` keeps as blocks)."""
+    kinds = [source.block_type(n) for n in source.names() if ".ffn_" in n and n.endswith(".weight")]
+    return bool(kinds) and sum(kernel_takes(device, k) for k in kinds) * 2 > len(kinds)
+
+
+def install_blocks(model: nn.Module, source: BlockSource, parts_of: Callable[[str, int], list[Part]],
+                   placement: Placed, dtype: torch.dtype) -> None:
+    """Swap the block-held projections and embedding of `model` (on meta) for block modules."""
+    dense: dict[str, int] = {}  # types left to the dense path: how many tensors
+
+    def segments(pname: str, rows: int, device: torch.device) -> list[tuple[GGMLQuantizationType, torch.Tensor]] | None:
+        parts = parts_of(pname, rows)
+        types = [source.block_type(p.name) for p in parts]
+        if any(not kernel_takes(device, t) for t in types):
+            for t in types:
+                if t not in FLOAT_TYPES and not kernel_takes(device, t):
+                    dense[t.name] = dense.get(t.name, 0) + 1
+            return None
+        out = []
+        for part, t in zip(parts, types, strict=True):
+            b = source.blocks(part.name, device)
+            out.append((t, part.fix(b).contiguous() if part.fix is not None else b))
+        return out
+
+    for i, layer in enumerate(model.layers):
+        device = placement.device_of(f"layers.{i}.input_layernorm.weight")
+        if device is None:
+            continue
+        for owner_name, name in PROJECTIONS:
+            owner = getattr(layer, owner_name)
+            lin = getattr(owner, name)
+            segs = segments(f"layers.{i}.{owner_name}.{name}.weight", lin.weight.shape[0], device)
+            if segs is not None:
+                setattr(owner, name, BlockLinear(segs, lin.in_features, lin.bias))
+    device = placement.device_of("embed_tokens.weight")
+    if device is not None:
+        emb = model.embed_tokens
+        segs = segments("embed_tokens.weight", emb.num_embeddings, device)
+        if segs is not None:
+            (qtype, blocks), = segs
+            model.embed_tokens = BlockEmbedding(qtype, blocks, emb.embedding_dim, dtype)
+        if model.lm_head is None and isinstance(model.embed_tokens, BlockEmbedding):
+            model.lm_head = model.embed_tokens.head()  # tied: the same blocks
+        elif model.lm_head is not None:
+            segs = segments("lm_head.weight", model.lm_head.weight.shape[0], device)
+            if segs is not None:
+                model.lm_head = BlockLinear(segs, model.lm_head.in_features)
+    for name, count in sorted(dense.items()):
+        block, size = GGML_QUANT_SIZES[GGMLQuantizationType[name]]
+        grow = torch.finfo(dtype).bits / 8 * block / size
+        log.warning("%d %s tensors have no block kernel here: dequantized to %s on load "
+                    "(%.1fx their file bytes)", count, name, str(dtype).removeprefix("torch."), grow)
