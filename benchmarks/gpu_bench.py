@@ -49,14 +49,17 @@ def _strata_stages(args: Any, cfg: EngineConfig, lanes: list[int], lengths: list
                    out: dict[str, Any], stage: Any, tables: list[str]) -> None:
     """Strata's own figures through the engine (the model is dropped on return)."""
     from strata.models import load_model
+    from strata.models.blocks import weight_bytes as held_bytes
 
     t0 = time.perf_counter()
-    loaded = load_model(args.model, args.device, "auto", progress=False)
+    loaded = load_model(args.model, args.device, "auto", progress=False, weights=args.weights)
     attach_tokenizer(loaded)
     load_s = time.perf_counter() - t0
     out["load_seconds"] = load_s
-    weight_bytes = sum(t.numel() * t.element_size() for t in loaded.model.parameters())
+    out["weights"] = loaded.weights
+    weight_bytes = sum(held_bytes(loaded.model).values())
     out["weight_bytes"] = weight_bytes
+    out["weight_file_bytes"] = loaded.file_bytes
     cuda = _engine_stages(args, cfg, loaded, weight_bytes, lanes, lengths, out, stage, tables)
     if args.long_context and cuda:  # the engine above and its pool are gone
         gc.collect()
@@ -145,6 +148,8 @@ def parser() -> argparse.ArgumentParser:
                                 description="GPU throughput of the engine on one GGUF file (JSON)")
     p.add_argument("model")
     p.add_argument("--device", default="cuda")
+    p.add_argument("--weights", default="auto", help="as strata serve's --weights (auto: a quantized "
+                   "file's blocks stay blocks)")
     p.add_argument("--lanes", default="1,16,64")
     p.add_argument("--prompt-tokens", type=int, default=512)
     p.add_argument("--gen-tokens", type=int, default=128)

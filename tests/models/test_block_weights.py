@@ -1,0 +1,76 @@
+"""`--weights gguf`: a GGUF file's blocks held as they are and multiplied in place on the CPU."""
+
+from __future__ import annotations
+
+import torch
+from dense_context import greedy, prompt_logits
+from gguf import GGMLQuantizationType as Q
+from gguf_export import write_gguf
+from tiny_models import PROMPT, tiny_hf_model
+
+from strata.models import load_model
+from strata.models.blocks import BlockEmbedding, BlockLinear, weight_bytes
+from strata.models.quantize import resolve_weight_mode
+
+# v in another type than q and k: the fused q/k/v projection holds two segments
+TYPES = {"attn_q.weight": Q.Q8_0, "attn_k.weight": Q.Q8_0, "attn_v.weight": Q.Q4_1,
+         "attn_output.weight": Q.Q4_0, "ffn_gate.weight": Q.Q4_1, "ffn_up.weight": Q.Q4_1,
+         "ffn_down.weight": Q.Q8_0, "token_embd.weight": Q.Q8_0, "output.weight": Q.Q4_0}
+
+
+def _file(tmp_path, kind: str = "llama_plain"):
+    return write_gguf(tiny_hf_model(kind), tmp_path / "t.gguf", "llama" if kind == "llama_plain" else kind,
+                      types=TYPES)
+
+
+def test_blocks_are_held_as_the_file_stores_them(tmp_path) -> None:
+    path = _file(tmp_path)
+    loaded = load_model(str(path), device="cpu", dtype="float32", weights="gguf", progress=False)
+    m = loaded.model
+    assert loaded.weights == "gguf" and loaded.identity.endswith("+gguf")
+    qkv = m.layers[0].self_attn.qkv_proj
+    assert isinstance(qkv, BlockLinear) and qkv.qtypes == (Q.Q8_0, Q.Q4_1) and qkv.rows == (64 + 32, 32)
+    assert all(isinstance(getattr(layer.mlp, n), BlockLinear) for layer in m.layers
+               for n in ("gate_up_proj", "down_proj"))
+    assert isinstance(m.embed_tokens, BlockEmbedding) and isinstance(m.lm_head, BlockLinear)
+    held = weight_bytes(m)["cpu"]
+    assert abs(held - loaded.file_bytes) <= 0.01 * loaded.file_bytes, (held, loaded.file_bytes)
+    dense = load_model(str(path), device="cpu", dtype="float32", weights="dense", progress=False)
+    assert weight_bytes(dense.model)["cpu"] > 2.5 * held  # the dense mode pays for floats
+
+
+def test_block_weights_compute_the_dense_weights_products(tmp_path) -> None:
+    """float32: every weight value is the file's, so logits agree with the dense load to float32
+    rounding and greedy tokens are equal."""
+    path = _file(tmp_path)
+    blocks = load_model(str(path), device="cpu", dtype="float32", weights="gguf", progress=False)
+    dense = load_model(str(path), device="cpu", dtype="float32", weights="dense", progress=False)
+    for lin_b, lin_d in ((blocks.model.layers[1].self_attn.qkv_proj, dense.model.layers[1].self_attn.qkv_proj),
+                         (blocks.model.lm_head, dense.model.lm_head)):
+        assert torch.equal(lin_b.dense(), lin_d.weight)  # the very values, decoded
+    got, want = prompt_logits(blocks, PROMPT), prompt_logits(dense, PROMPT)
+    torch.testing.assert_close(got, want, atol=2e-5, rtol=2e-5)
+    assert greedy(blocks, PROMPT, 24) == greedy(dense, PROMPT, 24)
+
+
+def test_a_rows_result_does_not_depend_on_its_company(tmp_path) -> None:
+    path = _file(tmp_path)
+    loaded = load_model(str(path), device="cpu", dtype="bfloat16", weights="gguf", progress=False)
+    lin = loaded.model.layers[0].mlp.gate_up_proj
+    x = torch.randn(9, 64).bfloat16()
+    full = lin(x)
+    for m in (1, 2, 5):
+        assert torch.equal(lin(x[:m]), full[:m]), m
+    other = x.clone()
+    other[1:] = torch.randn(8, 64).bfloat16()
+    assert torch.equal(lin(other)[0], full[0]) and not torch.equal(lin(other)[1], full[1])
+
+
+def test_auto_keeps_blocks_for_a_quantized_gguf_file(tmp_path) -> None:
+    path = _file(tmp_path)
+    loaded = load_model(str(path), device="cpu", dtype="bfloat16", weights="auto", progress=False)
+    assert loaded.weights == "gguf"
+    cpu = torch.device("cpu")
+    assert resolve_weight_mode("auto", cpu, torch.bfloat16, block_source=True) == "gguf"
+    assert resolve_weight_mode("auto", cpu, torch.bfloat16, four_bit_source=True) == "int4"
+    assert resolve_weight_mode("dense", cpu, torch.bfloat16, block_source=True) == "dense"
