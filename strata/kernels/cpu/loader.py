@@ -1,7 +1,9 @@
 """Strata's C++ CPU kernels (`csrc/`): built once per machine, then loaded.
 
 `attend` (attention over the pool's cells, `attention.py`) and the row-wise
-pieces of a decoder layer (`elementwise.cpp`, used through `models/ops.py`).
+pieces of a decoder layer (`elementwise.cpp`, used through `models/ops.py`),
+and `block_matmul` (`blocks.cpp`): x @ W.T with W in a GGUF file's own
+quantized blocks, for the types in `BLOCK_TYPES`.
 
 torch compiles it on first use with the machine's C++ compiler (about a
 minute on 2 cores) and caches the build under torch's extensions folder;
@@ -27,9 +29,14 @@ import torch
 from strata.knobs import flag
 
 log = logging.getLogger(__name__)
-SOURCES = [Path(__file__).parent / "csrc" / f for f in ("module.cpp", "attention.cpp", "elementwise.cpp")]
+SOURCES = [Path(__file__).parent / "csrc" / f
+           for f in ("module.cpp", "attention.cpp", "elementwise.cpp", "blocks.cpp")]
 # -ffp-contract=off: a*b+c rounds twice, as the torch expressions the row-wise kernels replace
 CFLAGS = ["-O3", "-march=native", "-fopenmp", "-ffp-contract=off"]
+# gguf.GGMLQuantizationType values `block_matmul` takes (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q2_K
+# ... Q6_K), here so that callers can route a tensor without building the kernel first;
+# the kernel's `block_types()` gives the same list
+BLOCK_TYPES: frozenset[int] = frozenset({2, 3, 6, 7, 8, 10, 11, 12, 13, 14})
 
 
 def _machine_tag() -> str:

@@ -1,7 +1,8 @@
-// The Python module of Strata's CPU kernels: attention.cpp and elementwise.cpp.
+// The Python module of Strata's CPU kernels: attention.cpp, elementwise.cpp and blocks.cpp.
 #include <torch/extension.h>
 
 #include <tuple>
+#include <vector>
 
 at::Tensor attend(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& cells,
                   const at::Tensor& row_seq, const at::Tensor& row_pos, double scale);
@@ -11,6 +12,8 @@ std::tuple<at::Tensor, at::Tensor> add_rms_norm(const at::Tensor& h, const at::T
 std::tuple<at::Tensor, at::Tensor, at::Tensor> rope_qkv(const at::Tensor& qkv, const at::Tensor& cos,
                                                         const at::Tensor& sin, int64_t hq, int64_t hkv);
 at::Tensor silu_mul(const at::Tensor& gate_up);
+at::Tensor block_matmul(const at::Tensor& x, const at::Tensor& blocks, int64_t qtype);
+std::vector<int64_t> block_types();
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("attend", &attend, "causal grouped-query attention over pool cells, row by row");
@@ -18,4 +21,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("add_rms_norm", &add_rms_norm, "(h + a, weight * rms_normalise(h + a))");
   m.def("rope_qkv", &rope_qkv, "q, k rotated and v, out of the fused projection");
   m.def("silu_mul", &silu_mul, "silu(gate) * up");
+  m.def("block_matmul", &block_matmul, "x @ W.T with W in a GGUF file's own quantized blocks");
+  m.def("block_types", &block_types, "the gguf.GGMLQuantizationType values block_matmul takes");
 }

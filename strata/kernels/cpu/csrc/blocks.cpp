@@ -1,0 +1,545 @@
+// x @ W.T for W held in a GGUF file's own quantized blocks (Q4_0 ... Q6_K).
+//
+// Why: re-quantizing a 4-bit file to torch's int4 layout rounds its fp16
+// scales to bf16. Here the blocks stay as the file stores them, and every
+// weight is the value gguf.quants.dequantize gives: scale * code + min, with
+// the fp16 scales converted exactly and K-quant sub-scales decoded (and
+// rounded to float32) as ggml does.
+//
+// Arithmetic, all float32 (this file is built with -ffp-contract=off; the
+// FMAs below are explicit). A group is the run of values that share one
+// scale s and min m (32 values; 16 for Q6_K, Q2_K, Q3_K). For output (i, n),
+// over the groups of weight row n in order, in 8 lanes:
+//   p   = q[0:8] * x[0:8], then p = fma(q[8j:8j+8], x[8j:8j+8], p) for the rest
+//   acc = fma(s, p, acc)         (acc starts at 0)
+//   acc = fma(m, xs, acc)        (types with a min; xs = the group's x summed per lane)
+// and y = the lanes of acc summed in a fixed tree, rounded once to x's dtype.
+// That is sum over groups of s * sum(q x) + m * sum(x): the dequantized
+// weights exactly, factored. The order depends on nothing but K, so row i
+// of the output has the same bits whatever M, the other rows of x or the
+// thread count: threads split the output rows N only, never K. One lane
+// (M = 1) decodes the codes in registers; several lanes decode a tile of
+// weight rows to float32 once and run every x row over it with the same
+// operations.
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <cstring>
+#include <vector>
+
+#if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+#define STRATA_BLOCKS_AVX2 1
+#include <immintrin.h>
+#endif
+
+namespace {
+
+inline float f16(const uint8_t* p) {
+  uint16_t h;
+  std::memcpy(&h, p, 2);
+#if defined(STRATA_BLOCKS_AVX2)
+  return _cvtsh_ss(h);
+#else
+  return c10::detail::fp16_ieee_to_fp32_value(h);
+#endif
+}
+
+// ---- 8-lane float vectors: AVX2, or plain arrays with the same steps ----
+#if defined(STRATA_BLOCKS_AVX2)
+using V = __m256;
+inline V vzero() { return _mm256_setzero_ps(); }
+inline V vload(const float* p) { return _mm256_loadu_ps(p); }
+inline void vstore(float* p, V a) { _mm256_storeu_ps(p, a); }
+inline V vset(float a) { return _mm256_set1_ps(a); }
+inline V vadd(V a, V b) { return _mm256_add_ps(a, b); }
+inline V vmul(V a, V b) { return _mm256_mul_ps(a, b); }
+inline V vfma(V a, V b, V c) { return _mm256_fmadd_ps(a, b, c); }
+inline V vcodes(const int8_t* q) {  // 8 int8 codes as floats (exact)
+  return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(q))));
+}
+inline float vsum(V a) {
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(a), _mm256_extractf128_ps(a, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  return _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)));
+}
+#else
+struct V { float v[8]; };
+inline V vzero() { return V{}; }
+inline V vload(const float* p) { V r; std::memcpy(r.v, p, sizeof r.v); return r; }
+inline void vstore(float* p, V a) { std::memcpy(p, a.v, sizeof a.v); }
+inline V vset(float a) { V r; for (float& e : r.v) e = a; return r; }
+inline V vadd(V a, V b) { for (int l = 0; l < 8; ++l) a.v[l] += b.v[l]; return a; }
+inline V vmul(V a, V b) { for (int l = 0; l < 8; ++l) a.v[l] *= b.v[l]; return a; }
+inline V vfma(V a, V b, V c) { for (int l = 0; l < 8; ++l) c.v[l] += a.v[l] * b.v[l]; return c; }
+inline V vcodes(const int8_t* q) { V r; for (int l = 0; l < 8; ++l) r.v[l] = q[l]; return r; }
+inline float vsum(V a) {  // the AVX2 tree
+  float s[4];
+  for (int l = 0; l < 4; ++l) s[l] = a.v[l] + a.v[l + 4];
+  return (s[0] + s[2]) + (s[1] + s[3]);
+}
+#endif
+
+// ---- block types: a block's codes (int8, value order), and per group its scale and min ----
+// block(b, c, s, m) returns the QK codes (in c, or in the block itself for Q8_0), writes the
+// scale s[g] and the min m[g] of each group g: the value of code q is s[g] * q + m[g].
+
+// the 6-bit scale and min of group j of Q4_K / Q5_K, as ggml's get_scale_min_k4
+inline void scale_min_k4(int j, const uint8_t* q, int& sc, int& mn) {
+  if (j < 4) {
+    sc = q[j] & 63;
+    mn = q[j + 4] & 63;
+  } else {
+    sc = (q[j + 4] & 0xF) | ((q[j - 4] >> 6) << 4);
+    mn = (q[j + 4] >> 4) | ((q[j] >> 6) << 4);
+  }
+}
+
+// 16 bytes -> their low nibbles then their high nibbles, minus `off`
+inline void nibbles16(const uint8_t* qs, int8_t* c, int off) {
+#if defined(STRATA_BLOCKS_AVX2)
+  const __m128i v = _mm_loadu_si128(reinterpret_cast<const __m128i*>(qs)), f = _mm_set1_epi8(0x0F);
+  const __m128i o = _mm_set1_epi8(static_cast<char>(off));
+  _mm_storeu_si128(reinterpret_cast<__m128i*>(c), _mm_sub_epi8(_mm_and_si128(v, f), o));
+  _mm_storeu_si128(reinterpret_cast<__m128i*>(c + 16), _mm_sub_epi8(_mm_and_si128(_mm_srli_epi16(v, 4), f), o));
+#else
+  for (int j = 0; j < 16; ++j) {
+    c[j] = static_cast<int8_t>((qs[j] & 0xF) - off);
+    c[j + 16] = static_cast<int8_t>((qs[j] >> 4) - off);
+  }
+#endif
+}
+
+struct Q4_0 {
+  static constexpr int QK = 32, BYTES = 18, G = 32;
+  static constexpr bool MIN = false;
+  static const int8_t* block(const uint8_t* b, int8_t* c, float* s, float*) {
+    s[0] = f16(b);
+    nibbles16(b + 2, c, 8);
+    return c;
+  }
+};
+
+struct Q4_1 {
+  static constexpr int QK = 32, BYTES = 20, G = 32;
+  static constexpr bool MIN = true;
+  static const int8_t* block(const uint8_t* b, int8_t* c, float* s, float* m) {
+    s[0] = f16(b);
+    m[0] = f16(b + 2);
+    nibbles16(b + 4, c, 0);
+    return c;
+  }
+};
+
+// Q5_0 / Q5_1: the fifth bit of value j is bit j of the 32-bit little-endian qh
+inline void fives(const uint8_t* qhp, const uint8_t* qs, int8_t* c, int off) {
+  uint32_t qh;
+  std::memcpy(&qh, qhp, 4);
+  for (int j = 0; j < 16; ++j) {
+    c[j] = static_cast<int8_t>(((qs[j] & 0xF) | (((qh >> j) & 1) << 4)) - off);
+    c[j + 16] = static_cast<int8_t>(((qs[j] >> 4) | (((qh >> (j + 16)) & 1) << 4)) - off);
+  }
+}
+
+struct Q5_0 {
+  static constexpr int QK = 32, BYTES = 22, G = 32;
+  static constexpr bool MIN = false;
+  static const int8_t* block(const uint8_t* b, int8_t* c, float* s, float*) {
+    s[0] = f16(b);
+    fives(b + 2, b + 6, c, 16);
+    return c;
+  }
+};
+
+struct Q5_1 {
+  static constexpr int QK = 32, BYTES = 24, G = 32;
+  static constexpr bool MIN = true;
+  static const int8_t* block(const uint8_t* b, int8_t* c, float* s, float* m) {
+    s[0] = f16(b);
+    m[0] = f16(b + 2);
+    fives(b + 4, b + 8, c, 0);
+    return c;
+  }
+};
+
+struct Q8_0 {
+  static constexpr int QK = 32, BYTES = 34, G = 32;
+  static constexpr bool MIN = false;
+  static const int8_t* block(const uint8_t* b, int8_t*, float* s, float*) {
+    s[0] = f16(b);
+    return reinterpret_cast<const int8_t*>(b + 2);
+  }
+};
+
+// d, dmin, scales[12], qs[128]: 32 bytes of qs give 32 low nibbles (group 2i), 32 high (2i + 1)
+struct Q4_K {
+  static constexpr int QK = 256, BYTES = 144, G = 32;
+  static constexpr bool MIN = true;
+  static const int8_t* block(const uint8_t* b, int8_t* c, float* s, float* m) {
+    const float d = f16(b), dmin = f16(b + 2);
+    for (int g = 0; g < 8; ++g) {
+      int sc, mn;
+      scale_min_k4(g, b + 4, sc, mn);
+      s[g] = d * static_cast<float>(sc);
+      m[g] = -(dmin * static_cast<float>(mn));  // the file's value is s * q - dmin * mn
+    }
+    const uint8_t* qs = b + 16;
+#if defined(STRATA_BLOCKS_AVX2)
+    const __m256i f = _mm256_set1_epi8(0x0F);
+    for (int i = 0; i < 4; ++i) {
+      const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qs + 32 * i));
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(c + 64 * i), _mm256_and_si256(v, f));
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(c + 64 * i + 32), _mm256_and_si256(_mm256_srli_epi16(v, 4), f));
+    }
+#else
+    for (int i = 0; i < 4; ++i)
+      for (int l = 0; l < 32; ++l) {
+        c[64 * i + l] = static_cast<int8_t>(qs[32 * i + l] & 0xF);
+        c[64 * i + 32 + l] = static_cast<int8_t>(qs[32 * i + l] >> 4);
+      }
+#endif
+    return c;
+  }
+};
+
+// Q4_K plus qh[32] after the scales: bit g of qh[l] is the fifth bit of value 32 g + l
+struct Q5_K {
+  static constexpr int QK = 256, BYTES = 176, G = 32;
+  static constexpr bool MIN = true;
+  static const int8_t* block(const uint8_t* b, int8_t* c, float* s, float* m) {
+    const float d = f16(b), dmin = f16(b + 2);
+    for (int g = 0; g < 8; ++g) {
+      int sc, mn;
+      scale_min_k4(g, b + 4, sc, mn);
+      s[g] = d * static_cast<float>(sc);
+      m[g] = -(dmin * static_cast<float>(mn));
+    }
+    const uint8_t *qh = b + 16, *qs = b + 48;
+    for (int g = 0; g < 8; ++g)
+      for (int l = 0; l < 32; ++l) {
+        const int low = (qs[32 * (g / 2) + l] >> (4 * (g % 2))) & 0xF;
+        c[32 * g + l] = static_cast<int8_t>(low | (((qh[l] >> g) & 1) << 4));
+      }
+    return c;
+  }
+};
+
+// ql[128], qh[64], scales[16] (int8), d. Value r of half h (0..127): low 4 bits from
+// ql[64 h + r % 64] >> (4 (r / 64)), high 2 from qh[32 h + r % 32] >> (2 (r / 32)); minus 32.
+struct Q6_K {
+  static constexpr int QK = 256, BYTES = 210, G = 16;
+  static constexpr bool MIN = false;
+  static const int8_t* block(const uint8_t* b, int8_t* c, float* s, float*) {
+    const float d = f16(b + 208);
+    const int8_t* sc = reinterpret_cast<const int8_t*>(b + 192);
+    for (int g = 0; g < 16; ++g) s[g] = d * static_cast<float>(sc[g]);
+    for (int h = 0; h < 2; ++h) {
+      const uint8_t *ql = b + 64 * h, *qh = b + 128 + 32 * h;
+      int8_t* o = c + 128 * h;
+#if defined(STRATA_BLOCKS_AVX2)
+      const __m256i f = _mm256_set1_epi8(0x0F), three = _mm256_set1_epi8(3), k32 = _mm256_set1_epi8(32);
+      const __m256i l0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(ql));
+      const __m256i l1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(ql + 32));
+      const __m256i hv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qh));
+      const __m256i lows[4] = {_mm256_and_si256(l0, f), _mm256_and_si256(l1, f),
+                               _mm256_and_si256(_mm256_srli_epi16(l0, 4), f),
+                               _mm256_and_si256(_mm256_srli_epi16(l1, 4), f)};
+      for (int i = 0; i < 4; ++i) {
+        const __m256i hi = _mm256_slli_epi16(_mm256_and_si256(_mm256_srl_epi16(hv, _mm_cvtsi32_si128(2 * i)), three), 4);
+        _mm256_storeu_si256(reinterpret_cast<__m256i*>(o + 32 * i), _mm256_sub_epi8(_mm256_or_si256(lows[i], hi), k32));
+      }
+#else
+      for (int r = 0; r < 128; ++r) {
+        const int low = (ql[r % 64] >> (4 * (r / 64))) & 0xF, high = (qh[r % 32] >> (2 * (r / 32))) & 3;
+        o[r] = static_cast<int8_t>((low | (high << 4)) - 32);
+      }
+#endif
+    }
+    return c;
+  }
+};
+
+// scales[16] (4-bit scale | 4-bit min << 4), qs[64] (2 bits), d, dmin: value = d sc q - dmin mn
+struct Q2_K {
+  static constexpr int QK = 256, BYTES = 84, G = 16;
+  static constexpr bool MIN = true;
+  static const int8_t* block(const uint8_t* b, int8_t* c, float* s, float* m) {
+    const float d = f16(b + 80), dmin = f16(b + 82);
+    for (int g = 0; g < 16; ++g) {
+      s[g] = d * static_cast<float>(b[g] & 0xF);
+      m[g] = -(dmin * static_cast<float>(b[g] >> 4));
+    }
+    const uint8_t* qs = b + 16;
+    for (int i = 0; i < 256; ++i) {
+      const int h = i / 128, r = i % 128;
+      c[i] = static_cast<int8_t>((qs[32 * h + r % 32] >> (2 * (r / 32))) & 3);
+    }
+    return c;
+  }
+};
+
+// hmask[32] (a clear bit subtracts 4), qs[64] (2 bits), scales[12] (6-bit, minus 32), d
+struct Q3_K {
+  static constexpr int QK = 256, BYTES = 110, G = 16;
+  static constexpr bool MIN = false;
+  static const int8_t* block(const uint8_t* b, int8_t* c, float* s, float*) {
+    const float d = f16(b + 108);
+    const uint8_t* p = b + 96;
+    for (int g = 0; g < 16; ++g) {
+      const int low = g < 8 ? p[g] & 0xF : p[g - 8] >> 4;
+      const int high = (p[8 + g % 4] >> (2 * (g / 4))) & 3;
+      s[g] = d * static_cast<float>(static_cast<int8_t>(low | (high << 4)) - 32);
+    }
+    const uint8_t *hm = b, *qs = b + 32;
+    for (int i = 0; i < 256; ++i) {
+      const int h = i / 128, r = i % 128;
+      const int q = (qs[32 * h + r % 32] >> (2 * (r / 32))) & 3;
+      c[i] = static_cast<int8_t>(q - (((hm[i % 32] >> (i / 32)) & 1) ? 0 : 4));
+    }
+    return c;
+  }
+};
+
+// ---- the products ----
+
+// One lane: NR weight rows at once against one x row, codes decoded in registers.
+template <class T, int NR>
+void fly(const uint8_t* w, int64_t row_bytes, const float* x, const float* xs, int64_t nb, float* y) {
+  constexpr int NG = T::QK / T::G, GV = T::G / 8;
+  alignas(32) int8_t cbuf[NR][T::QK];
+  float s[NR][NG], m[NR][NG];
+  V acc[NR];
+  for (int r = 0; r < NR; ++r) acc[r] = vzero();
+  for (int64_t b = 0; b < nb; ++b) {
+    const int8_t* q[NR];
+    for (int r = 0; r < NR; ++r) q[r] = T::block(w + r * row_bytes + b * T::BYTES, cbuf[r], s[r], m[r]);
+    const float* xb = x + b * T::QK;
+    for (int g = 0; g < NG; ++g) {
+      V p[NR];
+      const V x0 = vload(xb + g * T::G);
+      for (int r = 0; r < NR; ++r) p[r] = vmul(vcodes(q[r] + g * T::G), x0);
+      for (int j = 1; j < GV; ++j) {
+        const V xj = vload(xb + g * T::G + 8 * j);
+        for (int r = 0; r < NR; ++r) p[r] = vfma(vcodes(q[r] + g * T::G + 8 * j), xj, p[r]);
+      }
+      for (int r = 0; r < NR; ++r) acc[r] = vfma(vset(s[r][g]), p[r], acc[r]);
+      if constexpr (T::MIN) {
+        const V sx = vload(xs + 8 * (b * NG + g));
+        for (int r = 0; r < NR; ++r) acc[r] = vfma(vset(m[r][g]), sx, acc[r]);
+      }
+    }
+  }
+  for (int r = 0; r < NR; ++r) y[r] = vsum(acc[r]);
+}
+
+// A tile of weight rows decoded to float32: codes [rows][K], scales and mins [rows][K / G].
+struct Tile {
+  std::vector<float> q, s, m;
+};
+
+template <class T>
+void decode_rows(const uint8_t* w, int64_t row_bytes, int rows, int64_t nb, Tile& t) {
+  constexpr int NG = T::QK / T::G;
+  const int64_t K = nb * T::QK, ng = nb * NG;
+  t.q.resize(rows * K);
+  t.s.resize(rows * ng);
+  t.m.resize(rows * ng);
+  alignas(32) int8_t cbuf[T::QK];
+  for (int r = 0; r < rows; ++r)
+    for (int64_t b = 0; b < nb; ++b) {
+      float* sp = t.s.data() + r * ng + b * NG;
+      float* mp = t.m.data() + r * ng + b * NG;
+      const int8_t* c = T::block(w + r * row_bytes + b * T::BYTES, cbuf, sp, mp);
+      float* qp = t.q.data() + r * K + b * T::QK;
+      for (int j = 0; j < T::QK; j += 8) vstore(qp + j, vcodes(c + j));
+    }
+}
+
+// MR x rows against NR decoded weight rows: per (x row, weight row) the operations of fly().
+template <class T, int MR, int NR>
+void tile_kernel(const Tile& t, int r0, int64_t K, const float* const* x, const float* const* xs,
+                 float* const* y) {
+  constexpr int GV = T::G / 8;
+  const int64_t ng = K / T::G;
+  const float* q[NR];
+  const float *s[NR], *m[NR];
+  for (int r = 0; r < NR; ++r) {
+    q[r] = t.q.data() + (r0 + r) * K;
+    s[r] = t.s.data() + (r0 + r) * ng;
+    m[r] = t.m.data() + (r0 + r) * ng;
+  }
+  V acc[MR][NR];
+  for (int i = 0; i < MR; ++i)
+    for (int r = 0; r < NR; ++r) acc[i][r] = vzero();
+  for (int64_t g = 0; g < ng; ++g) {
+    const int64_t o = g * T::G;
+    V p[MR][NR];
+    {
+      V qv[NR];
+      for (int r = 0; r < NR; ++r) qv[r] = vload(q[r] + o);
+      for (int i = 0; i < MR; ++i) {
+        const V xv = vload(x[i] + o);
+        for (int r = 0; r < NR; ++r) p[i][r] = vmul(qv[r], xv);
+      }
+    }
+    for (int j = 1; j < GV; ++j) {
+      V qv[NR];
+      for (int r = 0; r < NR; ++r) qv[r] = vload(q[r] + o + 8 * j);
+      for (int i = 0; i < MR; ++i) {
+        const V xv = vload(x[i] + o + 8 * j);
+        for (int r = 0; r < NR; ++r) p[i][r] = vfma(qv[r], xv, p[i][r]);
+      }
+    }
+    for (int r = 0; r < NR; ++r) {
+      const V sv = vset(s[r][g]);
+      for (int i = 0; i < MR; ++i) acc[i][r] = vfma(sv, p[i][r], acc[i][r]);
+    }
+    if constexpr (T::MIN) {
+      for (int i = 0; i < MR; ++i) {
+        const V sx = vload(xs[i] + 8 * g);
+        for (int r = 0; r < NR; ++r) acc[i][r] = vfma(vset(m[r][g]), sx, acc[i][r]);
+      }
+    }
+  }
+  for (int i = 0; i < MR; ++i)
+    for (int r = 0; r < NR; ++r) y[i][r] = vsum(acc[i][r]);
+}
+
+constexpr int FLY_ROWS = 4;     // weight rows a lane's loop runs together: independent chains
+constexpr int TILE_MR = 2, TILE_NR = 3;
+constexpr int64_t TILE_FLOATS = 1 << 15;  // decoded tile: 128 KiB, well inside L2
+
+template <class T>
+void fly_rows(int nr, const uint8_t* w, int64_t rb, const float* x, const float* xs, int64_t nb, float* y) {
+  // a tail of fewer than FLY_ROWS rows: the same per-row operations, fewer at once
+  switch (nr) {
+    case 4: return fly<T, 4>(w, rb, x, xs, nb, y);
+    case 3: return fly<T, 3>(w, rb, x, xs, nb, y);
+    case 2: return fly<T, 2>(w, rb, x, xs, nb, y);
+    default: return fly<T, 1>(w, rb, x, xs, nb, y);
+  }
+}
+
+template <class T, int MR>
+void tile_cols(int nr, const Tile& t, int r0, int64_t K, const float* const* x, const float* const* xs,
+               float* const* y) {
+  switch (nr) {
+    case 3: return tile_kernel<T, MR, 3>(t, r0, K, x, xs, y);
+    case 2: return tile_kernel<T, MR, 2>(t, r0, K, x, xs, y);
+    default: return tile_kernel<T, MR, 1>(t, r0, K, x, xs, y);
+  }
+}
+
+template <class T>
+void run(const uint8_t* w, int64_t N, int64_t K, const float* x, const float* xs, int64_t M, float* y) {
+  const int64_t nb = K / T::QK, rb = nb * T::BYTES, xsw = T::MIN ? 8 * (K / T::G) : 0;
+  if (M == 1) {
+    const int64_t tiles = (N + FLY_ROWS - 1) / FLY_ROWS;
+    // a small matrix stays on the calling thread: waking a second one costs more than it saves
+    const int64_t grain = N * rb < (1 << 18) ? tiles + 1 : 1;
+    at::parallel_for(0, tiles, grain, [&](int64_t b, int64_t e) {
+      for (int64_t t = b; t < e; ++t) {
+        const int64_t n = t * FLY_ROWS;
+        const int nr = static_cast<int>(std::min<int64_t>(FLY_ROWS, N - n));
+        fly_rows<T>(nr, w + n * rb, rb, x, xs, nb, y + n);
+      }
+    });
+    return;
+  }
+  const int64_t per_tile = std::max<int64_t>(TILE_NR, TILE_FLOATS / K / TILE_NR * TILE_NR);
+  const int64_t tiles = (N + per_tile - 1) / per_tile;
+  at::parallel_for(0, tiles, 1, [&](int64_t b, int64_t e) {
+    Tile t;
+    std::vector<float> out(TILE_MR * TILE_NR);
+    for (int64_t tt = b; tt < e; ++tt) {
+      const int64_t n0 = tt * per_tile;
+      const int rows = static_cast<int>(std::min(per_tile, N - n0));
+      decode_rows<T>(w + n0 * rb, rb, rows, nb, t);
+      for (int64_t i = 0; i < M; i += TILE_MR) {
+        const int mr = static_cast<int>(std::min<int64_t>(TILE_MR, M - i));
+        const float* xp[TILE_MR];
+        const float* xsp[TILE_MR];
+        for (int a = 0; a < mr; ++a) {
+          xp[a] = x + (i + a) * K;
+          xsp[a] = xs + (i + a) * xsw;
+        }
+        for (int r = 0; r < rows; r += TILE_NR) {
+          const int nr = std::min(TILE_NR, rows - r);
+          float* yp[TILE_MR];
+          for (int a = 0; a < mr; ++a) yp[a] = y + (i + a) * N + n0 + r;
+          if (mr == TILE_MR)
+            tile_cols<T, TILE_MR>(nr, t, r, K, xp, xsp, yp);
+          else
+            tile_cols<T, 1>(nr, t, r, K, xp, xsp, yp);
+        }
+      }
+    }
+  });
+}
+
+struct TypeInfo {
+  int64_t qtype, qk, bytes, group;
+  bool min;
+  void (*fn)(const uint8_t*, int64_t, int64_t, const float*, const float*, int64_t, float*);
+};
+
+template <class T>
+constexpr TypeInfo info(int64_t qtype) {
+  return {qtype, T::QK, T::BYTES, T::G, T::MIN, &run<T>};
+}
+
+// gguf.GGMLQuantizationType values
+const TypeInfo TYPES[] = {
+    info<Q4_0>(2), info<Q4_1>(3), info<Q5_0>(6), info<Q5_1>(7), info<Q8_0>(8),
+    info<Q2_K>(10), info<Q3_K>(11), info<Q4_K>(12), info<Q5_K>(13), info<Q6_K>(14),
+};
+
+}  // namespace
+
+std::vector<int64_t> block_types() {
+  std::vector<int64_t> out;
+  for (const TypeInfo& t : TYPES) out.push_back(t.qtype);
+  return out;
+}
+
+// x [M, K] float32/bfloat16/float16; blocks uint8 [N, K / block size * type size], row n the
+// file's bytes of weight row n; qtype a gguf.GGMLQuantizationType value. Returns x @ W.T [M, N].
+at::Tensor block_matmul(const at::Tensor& x, const at::Tensor& blocks, int64_t qtype) {
+  const TypeInfo* ti = nullptr;
+  for (const TypeInfo& t : TYPES)
+    if (t.qtype == qtype) ti = &t;
+  TORCH_CHECK(ti != nullptr, "block_matmul: unsupported GGML quantization type ", qtype);
+  TORCH_CHECK(x.device().is_cpu() && blocks.device().is_cpu(), "block_matmul: CPU tensors only");
+  TORCH_CHECK(x.dim() == 2 && x.is_contiguous(), "block_matmul: x must be a contiguous [M, K]");
+  TORCH_CHECK(x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16 || x.scalar_type() == at::kHalf,
+              "block_matmul: x dtype ", x.scalar_type(), " is not float32, bfloat16 or float16");
+  TORCH_CHECK(blocks.scalar_type() == at::kByte, "block_matmul: blocks must be uint8, not ", blocks.scalar_type());
+  TORCH_CHECK(blocks.dim() == 2 && blocks.is_contiguous(), "block_matmul: blocks must be a contiguous [N, bytes]");
+  const int64_t M = x.size(0), K = x.size(1), N = blocks.size(0);
+  TORCH_CHECK(K % ti->qk == 0, "block_matmul: K = ", K, " is not a multiple of the block size ", ti->qk);
+  TORCH_CHECK(blocks.size(1) == K / ti->qk * ti->bytes, "block_matmul: ", blocks.size(1),
+              " bytes per row do not hold K = ", K, " values (", K / ti->qk * ti->bytes, " bytes)");
+  at::Tensor out = at::empty({M, N}, x.options());
+  if (M == 0 || N == 0) return out;
+  if (K == 0) return out.zero_();
+  // x as float32 (exact from bf16/fp16), and per group the lane sums for the min term
+  at::Tensor xf = x.scalar_type() == at::kFloat ? x : x.to(at::kFloat);
+  const int64_t ng = K / ti->group, xsw = ti->min ? 8 * ng : 0;
+  std::vector<float> xs(M * xsw);
+  const float* xp = xf.data_ptr<float>();
+  if (ti->min) {
+    const int gv = static_cast<int>(ti->group / 8);
+    for (int64_t i = 0; i < M; ++i)
+      for (int64_t g = 0; g < ng; ++g) {
+        const float* p = xp + i * K + g * ti->group;
+        V s = vload(p);
+        for (int j = 1; j < gv; ++j) s = vadd(s, vload(p + 8 * j));
+        vstore(xs.data() + i * xsw + 8 * g, s);
+      }
+  }
+  at::Tensor yf = x.scalar_type() == at::kFloat ? out : at::empty({M, N}, x.options().dtype(at::kFloat));
+  ti->fn(blocks.data_ptr<uint8_t>(), N, K, xp, xs.data(), M, yf.data_ptr<float>());
+  if (!yf.is_same(out)) out.copy_(yf);
+  return out;
+}

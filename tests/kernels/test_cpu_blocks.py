@@ -1,0 +1,178 @@
+"""block_matmul: x @ W.T with W in GGUF blocks, against gguf's own dequantization.
+
+The weights it uses are gguf.quants.dequantize's float32 values to the bit
+(an identity x reads them out), its sums are float32 sums of them (float64
+reference within a float32 bound), and a row's result has the same bits
+whatever the batch around it and the thread count.
+"""
+
+from __future__ import annotations
+
+import gguf
+import numpy as np
+import pytest
+import torch
+from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
+
+from strata.kernels.cpu.loader import BLOCK_TYPES, cpu_kernel
+
+T = GGMLQuantizationType
+TYPES = [T.Q4_0, T.Q4_1, T.Q5_0, T.Q5_1, T.Q8_0, T.Q2_K, T.Q3_K, T.Q4_K, T.Q5_K, T.Q6_K]
+# the fp16 fields of each type: scales (random bytes there could be NaN or inf), and mins
+SCALES = {T.Q4_0: (0,), T.Q4_1: (0, 2), T.Q5_0: (0,), T.Q5_1: (0, 2), T.Q8_0: (0,),
+          T.Q2_K: (80, 82), T.Q3_K: (108,), T.Q4_K: (0, 2), T.Q5_K: (0, 2), T.Q6_K: (208,)}
+MINS = {T.Q4_1: 2, T.Q5_1: 2, T.Q2_K: 82, T.Q4_K: 2, T.Q5_K: 2}
+GROUP = {T.Q6_K: 16, T.Q2_K: 16, T.Q3_K: 16}  # values per scale; 32 for the others
+
+
+@pytest.fixture(scope="module")
+def kernel():
+    k = cpu_kernel()
+    if k is None:
+        pytest.skip("the CPU kernels are unavailable (no C++ compiler, or turned off)")
+    return k
+
+
+def make_blocks(qtype: GGMLQuantizationType, n: int, k: int, seed: int) -> np.ndarray:
+    """uint8 [n, row bytes]: gguf's quantization of random weights where gguf has one, else
+    random bytes (every code pattern) with finite fp16 scales."""
+    rng = np.random.default_rng(seed)
+    block, size = GGML_QUANT_SIZES[qtype]
+    try:
+        w = (rng.standard_normal((n, k)) * rng.uniform(0.01, 1.0, (n, 1))).astype(np.float32)
+        return np.asarray(gguf.quants.quantize(w, qtype)).reshape(n, -1)
+    except NotImplementedError:
+        raw = rng.integers(0, 256, size=(n * k // block, size), dtype=np.uint8)
+        for off in SCALES[qtype]:
+            f = (rng.standard_normal(raw.shape[0]) * 0.02).astype(np.float16)
+            raw[:, off:off + 2] = f.view(np.uint8).reshape(-1, 2)
+        return raw.reshape(n, -1)
+
+
+def dequant(raw: np.ndarray, qtype: GGMLQuantizationType) -> np.ndarray:
+    n = raw.shape[0]
+    return np.asarray(gguf.quants.dequantize(raw.reshape(-1, GGML_QUANT_SIZES[qtype][1]), qtype),
+                      dtype=np.float32).reshape(n, -1)
+
+
+def bound(raw: np.ndarray, qtype: GGMLQuantizationType, x: np.ndarray) -> np.ndarray:
+    """A float32 summation bound for the factored sums s * sum(q x) + m * sum(x):
+    (terms in a chain) * 2**-24 * sum((|s q| + |m|) |x|)."""
+    w = dequant(raw, qtype).astype(np.float64)
+    mag = np.abs(w)
+    if qtype in MINS:  # the min fields zeroed: s q alone, and m = w - s q
+        size = GGML_QUANT_SIZES[qtype][1]
+        no_min = raw.reshape(-1, size).copy()
+        no_min[:, MINS[qtype]:MINS[qtype] + 2] = 0
+        sq = dequant(no_min.reshape(raw.shape), qtype).astype(np.float64)
+        mag = np.abs(sq) + np.abs(w - sq)
+    k = x.shape[1]
+    chain = k / 8 + 2 * k / GROUP.get(qtype, 32) + 8
+    return chain * 2.0**-24 * (np.abs(x.astype(np.float64)) @ mag.T)
+
+
+SHAPES = [(1, "one"), (7, "many"), (13, "one"), (50, "many")]  # N, K: one block or many
+
+
+@pytest.mark.parametrize("qtype", TYPES, ids=lambda t: t.name)
+@pytest.mark.parametrize("n,ks", SHAPES)
+@pytest.mark.parametrize("m", [1, 3, 17, 64])
+def test_matches_float64_product_of_gguf_weights(kernel, qtype, n, ks, m) -> None:
+    block = GGML_QUANT_SIZES[qtype][0]
+    k = block if ks == "one" else block * (6 if block == 256 else 18)
+    raw = make_blocks(qtype, n, k, seed=n * 100 + m)
+    x = torch.randn(m, k, generator=torch.Generator().manual_seed(m))
+    got = kernel.block_matmul(x, torch.from_numpy(raw), int(qtype))
+    assert got.shape == (m, n) and got.dtype == torch.float32
+    want = x.double().numpy() @ dequant(raw, qtype).astype(np.float64).T
+    err = np.abs(got.double().numpy() - want)
+    assert (err <= bound(raw, qtype, x.numpy())).all(), err.max()
+
+
+@pytest.mark.parametrize("qtype", TYPES, ids=lambda t: t.name)
+def test_the_weights_are_gguf_dequantize_to_the_bit(kernel, qtype) -> None:
+    """x = identity reads each weight out: fp32(s * q) + m, rounded as gguf rounds it."""
+    block = GGML_QUANT_SIZES[qtype][0]
+    k = 2 * block
+    raw = make_blocks(qtype, 9, k, seed=3)
+    for m_rows in (k, 5):  # the tile path, and the one-lane path row by row
+        eye = torch.eye(k)[:m_rows].contiguous()
+        got = kernel.block_matmul(eye, torch.from_numpy(raw), int(qtype))
+        assert torch.equal(got.T, torch.from_numpy(dequant(raw, qtype))[:, :m_rows])
+    for i in range(0, k, 37):
+        one = kernel.block_matmul(torch.eye(k)[i:i + 1].contiguous(), torch.from_numpy(raw), int(qtype))
+        assert torch.equal(one[0], torch.from_numpy(dequant(raw, qtype))[:, i])
+
+
+@pytest.mark.parametrize("qtype", TYPES, ids=lambda t: t.name)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_half_inputs_are_float32_inputs_rounded_once(kernel, qtype, dtype) -> None:
+    block = GGML_QUANT_SIZES[qtype][0]
+    raw = torch.from_numpy(make_blocks(qtype, 11, 4 * block, seed=5))
+    x = torch.randn(6, 4 * block).to(dtype)
+    got = kernel.block_matmul(x, raw, int(qtype))
+    assert got.dtype == dtype
+    assert torch.equal(got, kernel.block_matmul(x.float(), raw, int(qtype)).to(dtype))
+
+
+@pytest.mark.parametrize("qtype", TYPES, ids=lambda t: t.name)
+def test_a_row_has_the_same_bits_in_any_batch_and_thread_count(kernel, qtype) -> None:
+    block = GGML_QUANT_SIZES[qtype][0]
+    n, k = 67, 1536 if block == 256 else 576  # 67: a tail in every tiling
+    raw = torch.from_numpy(make_blocks(qtype, n, k, seed=7))
+    x = torch.randn(64, k).bfloat16()
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(2)
+        full = kernel.block_matmul(x, raw, int(qtype))
+        for i in (0, 5, 63):
+            assert torch.equal(kernel.block_matmul(x[i:i + 1].contiguous(), raw, int(qtype)), full[i:i + 1])
+        for rows in (slice(0, 3), slice(10, 27), slice(1, 2)):
+            assert torch.equal(kernel.block_matmul(x[rows].contiguous(), raw, int(qtype)), full[rows])
+        other = x.clone()
+        other[1:] = torch.randn(63, k).bfloat16() * 100  # whatever the company holds
+        assert torch.equal(kernel.block_matmul(other, raw, int(qtype))[0], full[0])
+        torch.set_num_threads(1)
+        assert torch.equal(kernel.block_matmul(x, raw, int(qtype)), full)
+        assert torch.equal(kernel.block_matmul(x[:1].contiguous(), raw, int(qtype)), full[:1])
+    finally:
+        torch.set_num_threads(threads)
+
+
+def test_the_identity_checks_would_see_a_one_ulp_difference(kernel) -> None:
+    """Negative control: x row 4 moved by one ulp changes that row's bits, no other row's."""
+    raw = torch.from_numpy(make_blocks(T.Q4_1, 40, 576, seed=9))
+    x = torch.randn(17, 576)
+    base = kernel.block_matmul(x, raw, int(T.Q4_1))
+    moved = x.clone()
+    moved[4] = torch.nextafter(moved[4], torch.full((576,), float("inf")))
+    out = kernel.block_matmul(moved, raw, int(T.Q4_1))
+    assert not torch.equal(out[4], base[4])
+    keep = torch.arange(17) != 4
+    assert torch.equal(out[keep], base[keep])
+    # and float32 sums of the same weights in another order differ somewhere
+    w = torch.from_numpy(dequant(raw.numpy(), T.Q4_1))
+    assert not torch.equal(x @ w.T, base)
+
+
+def test_block_types_lists_what_the_kernel_takes(kernel) -> None:
+    assert set(kernel.block_types()) == BLOCK_TYPES == {int(t) for t in TYPES}
+
+
+def test_bad_input_is_a_clear_error(kernel) -> None:
+    raw = torch.from_numpy(make_blocks(T.Q8_0, 4, 64, seed=1))
+    x = torch.randn(2, 64)
+    with pytest.raises(RuntimeError, match="68 bytes per row do not hold K = 96 values"):
+        kernel.block_matmul(torch.randn(2, 96), raw, int(T.Q8_0))
+    with pytest.raises(RuntimeError, match="not a multiple of the block size 32"):
+        kernel.block_matmul(torch.randn(2, 48), raw, int(T.Q8_0))
+    with pytest.raises(RuntimeError, match="x dtype Double is not float32, bfloat16 or float16"):
+        kernel.block_matmul(x.double(), raw, int(T.Q8_0))
+    with pytest.raises(RuntimeError, match="blocks must be uint8"):
+        kernel.block_matmul(x, raw.view(torch.int8), int(T.Q8_0))
+    with pytest.raises(RuntimeError, match="unsupported GGML quantization type 1"):
+        kernel.block_matmul(x, raw, int(T.F16))
+    with pytest.raises(RuntimeError, match="contiguous"):
+        kernel.block_matmul(torch.randn(64, 2).T, raw, int(T.Q8_0))
+    with pytest.raises(RuntimeError, match="contiguous"):
+        kernel.block_matmul(x, torch.cat([raw, raw], 1)[:, :68], int(T.Q8_0))
