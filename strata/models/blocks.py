@@ -113,6 +113,17 @@ class BlockLinear(nn.Module):
             y = y + self.bias
         return y.reshape(*shape[:-1], self.out_features)
 
+    def logits(self, x: torch.Tensor) -> torch.Tensor:
+        """float32 products, never rounded to x's dtype: bf16 logits tie (at 25, one bf16 step is
+        0.125) where float32 ones are apart."""
+        if self.takes_row(x):
+            return self.row(x, out_dtype=torch.float32)
+        if x.is_cuda:
+            assert triton_blocks is not None
+            parts = [triton_blocks.block_mm(x, b, int(q), out_dtype=torch.float32) for q, b in self.segments()]
+            return parts[0] if len(parts) == 1 else torch.cat(parts, dim=-1)
+        return self.forward(x.float())  # the CPU kernels: x converted exactly, float32 out
+
     def takes_row(self, x: torch.Tensor) -> bool:
         """Whether one CUDA row can take the folded one-row kernels (`row`)."""
         return x.is_cuda and x.shape[0] == 1 and triton_blocks is not None and self.bias is None

@@ -257,9 +257,7 @@ class DecoderModel(nn.Module):
         """hidden [N, hidden_size] -> float32 logits [N, vocab]."""
         head = self.embed_tokens if self.lm_head is None else self.lm_head
         if isinstance(head, BlockLinear):
-            if head.takes_row(hidden):
-                return head.row(hidden, out_dtype=torch.float32)
-            return head.forward(hidden).float()
+            return head.logits(hidden)
         g = ops.row_kernels(hidden, head)
         if g is not None:
             return g.gemv(hidden, head.weight, out_dtype=torch.float32)

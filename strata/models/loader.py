@@ -279,4 +279,6 @@ def _fill(
             t = source.load(part.name, device, dtype)
             pieces.append(part.fix(t) if part.fix is not None else t)
         state[pname] = pieces[0] if len(pieces) == 1 else torch.cat(pieces, dim=0)
+    kept = set(model.state_dict())  # persistent buffers: the blocks `install_blocks` read already
+    state.update((n, b) for n, b in model.named_buffers(remove_duplicate=False) if n in kept)
     model.load_state_dict(state, strict=True, assign=True)
