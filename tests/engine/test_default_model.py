@@ -14,7 +14,7 @@ pytestmark = pytest.mark.slow
 
 @pytest.fixture(scope="module")
 def loaded():
-    return load_model(None, device="cpu", dtype="bfloat16", weights="auto", progress=False)  # int4
+    return load_model(None, device="cpu", dtype="bfloat16", weights="auto", progress=False)  # gguf
 
 
 def _chat(loaded, text: str) -> list[int]:
@@ -43,9 +43,15 @@ def test_lanes_match_running_alone_with_pool_on_and_off(loaded) -> None:
 
 
 def test_default_weights_on_the_cpu_follow_the_file(loaded) -> None:
-    """The embedded file is Q4_1: its projections are held as int4, never fewer bits."""
-    assert loaded.weights == "int4"
-    assert loaded.identity.endswith("+int4")
+    """The embedded file is Q4_1 (with a Q8_0 embedding): its blocks are held as they are, and the
+    weights take the file's bytes, not more."""
+    from strata.models.blocks import BlockEmbedding, BlockLinear, weight_bytes
+
+    assert loaded.weights == "gguf" and loaded.identity.endswith("+gguf")
+    assert isinstance(loaded.model.embed_tokens, BlockEmbedding)
+    assert isinstance(loaded.model.layers[0].mlp.down_proj, BlockLinear)
+    held = weight_bytes(loaded.model)["cpu"]
+    assert abs(held - loaded.file_bytes) < 0.01 * loaded.file_bytes
 
 
 def test_json_schema_answer(loaded) -> None:
