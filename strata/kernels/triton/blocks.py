@@ -73,8 +73,8 @@ def default_mm_config(m: int, n: int, k: int, qtype: int) -> MmConfig:
     bucket = m_bucket(m)
     if (bucket, n, k, qtype) in MM_CONFIGS:
         return MM_CONFIGS[(bucket, n, k, qtype)]
-    bt = TYPES[qtype]
-    per = max(1, min(256 // bt.block, triton.next_power_of_2(k // bt.block)))
+    bt = TYPES[qtype]  # 128 columns a part and step (a super-block of the K-quants)
+    per = max(1, min(128 * bt.parts // bt.block, triton.next_power_of_2(k // bt.block)))
     if bucket == 16:
         return 16, 32 if n <= 8192 else 64, per, 4, 2
     if bucket == 64:
@@ -127,15 +127,15 @@ def _weights(b, h, rb, g, e, ok, QT: tl.constexpr, GPB: tl.constexpr, E: tl.cons
 
 
 @triton.jit
-def _inputs(x, nw, inv, g, e, ok, dt: tl.constexpr, NORM: tl.constexpr, QT: tl.constexpr,
-            BLOCK: tl.constexpr, GPB: tl.constexpr, PARTS: tl.constexpr):
-    """The input values at both parts' columns, float32 [1, G, E] (0 outside the row)."""
-    c0 = tl.where(ok, column(g, e, 0, QT, BLOCK, GPB), 0)
-    x0 = tl.where(ok, _input_tile(x, nw, inv, c0, dt, NORM), 0.0)
+def _inputs(x, nw, inv, g, e, NG: tl.constexpr, dt: tl.constexpr, NORM: tl.constexpr,
+            QT: tl.constexpr, BLOCK: tl.constexpr, GPB: tl.constexpr, PARTS: tl.constexpr):
+    """The input values at both parts' columns, float32 [1, G, E]. Groups past the row read
+    the last group's (their weights are 0), which keeps the columns contiguous runs."""
+    gc = tl.minimum(g, NG - 1)
+    x0 = _input_tile(x, nw, inv, column(gc, e, 0, QT, BLOCK, GPB), dt, NORM)
     x1 = x0
     if PARTS == 2:
-        c1 = tl.where(ok, column(g, e, 1, QT, BLOCK, GPB), 0)
-        x1 = tl.where(ok, _input_tile(x, nw, inv, c1, dt, NORM), 0.0)
+        x1 = _input_tile(x, nw, inv, column(gc, e, 1, QT, BLOCK, GPB), dt, NORM)
     return x0, x1
 
 
@@ -171,7 +171,7 @@ def _gemv_kernel(
         v = tl.load(x + nc, mask=nc < K, other=0.0).to(tl.float32)
         mean = tl.math.div_rn(tl.sum(v * v, 0), tl.full([], K, tl.float32))
         inv = tl.math.div_rn(tl.full([], 1.0, tl.float32), tl.sqrt_rn(mean + eps))
-    x0, x1 = _inputs(x, nw, inv if NORM else eps, g, e, ok, dt, NORM, QT, BLOCK, GPB, PARTS)
+    x0, x1 = _inputs(x, nw, inv if NORM else eps, g, e, NG, dt, NORM, QT, BLOCK, GPB, PARTS)
     acc = w0 * x0
     if PARTS == 2:
         acc += w1 * x1
@@ -183,7 +183,7 @@ def _gemv_kernel(
         gt = g0 + g
         okt = gt < NG
         w0, w1 = _weights(b, h, rb, gt, e, okt, QT, GPB, E, PARTS, OQ, SQ, OH, SH, OSC, SSC, OD, SD, OM, SM)
-        x0, x1 = _inputs(x, nw, inv if NORM else eps, gt, e, okt, dt, NORM, QT, BLOCK, GPB, PARTS)
+        x0, x1 = _inputs(x, nw, inv if NORM else eps, gt, e, NG, dt, NORM, QT, BLOCK, GPB, PARTS)
         acc += w0 * x0
         if PARTS == 2:
             acc += w1 * x1
@@ -223,14 +223,12 @@ def _mm_kernel(
     acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
     for g0 in range(0, NG, G):
         w0, w1 = _weights(b, h, rb, g0 + g, e, g0 + g < NG, QT, GPB, E, PARTS, OQ, SQ, OH, SH, OSC, SSC, OD, SD, OM, SM)
-        okf = g0 + gf < NG
-        c0 = tl.where(okf, column(g0 + gf, ef, 0, QT, BLOCK, GPB), 0)
-        xt = tl.load(x + xr + c0[None, :], mask=okf[None, :], other=0.0)
+        gc = tl.minimum(g0 + gf, NG - 1)  # as in _inputs
+        xt = tl.load(x + xr + column(gc, ef, 0, QT, BLOCK, GPB)[None, :])
         wt = tl.reshape(w0, (BLOCK_N, G * E)).to(dt)
         acc = tl.dot(xt, tl.trans(wt), acc, input_precision=PRECISION)
         if PARTS == 2:
-            c1 = tl.where(okf, column(g0 + gf, ef, 1, QT, BLOCK, GPB), 0)
-            xt = tl.load(x + xr + c1[None, :], mask=okf[None, :], other=0.0)
+            xt = tl.load(x + xr + column(gc, ef, 1, QT, BLOCK, GPB)[None, :])
             wt = tl.reshape(w1, (BLOCK_N, G * E)).to(dt)
             acc = tl.dot(xt, tl.trans(wt), acc, input_precision=PRECISION)
     y = acc.to(dt).to(out.dtype.element_ty)
