@@ -54,12 +54,13 @@ MM_CONFIGS: dict[tuple[int, int, int, int], MmConfig] = {}
 
 
 def default_gemv_config(n: int, k: int, qtype: int) -> GemvConfig:
-    """Tiles of up to 1,024 columns and about 4,096 weights a program step."""
+    """4 warps whose runs of 8 values cover 1,024 values of each part of a row (G * E), 4 rows
+    a program: each thread then reuses its inputs for the 4 rows."""
     if (n, k, qtype) in GEMV_CONFIGS:
         return GEMV_CONFIGS[(n, k, qtype)]
     bt = TYPES[qtype]
-    per = min(triton.next_power_of_2(k // bt.block), max(1, 1024 // bt.block))
-    return max(1, 4096 // (per * bt.block)), per, 4, 1
+    per = min(triton.next_power_of_2(k // bt.block), max(1, 1024 // (bt.groups * bt.group)))
+    return 4, per, 4, 1
 
 
 def m_bucket(m: int) -> int:
@@ -115,22 +116,17 @@ def _type_args(qtype: int, nb: int, packed: bool) -> dict:
 
 @triton.jit
 def _weights(b, h, rb, g, e, ok, QT: tl.constexpr, GPB: tl.constexpr, E: tl.constexpr,
-             PARTS: tl.constexpr, OQ: tl.constexpr, SQ: tl.constexpr, OH: tl.constexpr,
-             SH: tl.constexpr, OSC: tl.constexpr, SSC: tl.constexpr, OD: tl.constexpr,
-             SD: tl.constexpr, OM: tl.constexpr, SM: tl.constexpr):
-    """Both parts of a tile (the lo part twice for one-part types)."""
-    w0 = decode(b, h, rb, g, e, ok, 0, QT, GPB, E, OQ, SQ, OH, SH, OSC, SSC, OD, SD, OM, SM)
-    w1 = w0
-    if PARTS == 2:
-        w1 = decode(b, h, rb, g, e, ok, 1, QT, GPB, E, OQ, SQ, OH, SH, OSC, SSC, OD, SD, OM, SM)
-    return w0, w1
+             OQ: tl.constexpr, SQ: tl.constexpr, OH: tl.constexpr, SH: tl.constexpr,
+             OSC: tl.constexpr, SSC: tl.constexpr, OD: tl.constexpr, SD: tl.constexpr,
+             OM: tl.constexpr, SM: tl.constexpr):
+    return decode(b, h, rb, g, e, ok, QT, GPB, E, OQ, SQ, OH, SH, OSC, SSC, OD, SD, OM, SM)
 
 
 @triton.jit
 def _inputs(x, nw, inv, g, e, NG: tl.constexpr, dt: tl.constexpr, NORM: tl.constexpr,
             QT: tl.constexpr, BLOCK: tl.constexpr, GPB: tl.constexpr, PARTS: tl.constexpr):
-    """The input values at both parts' columns, float32 [1, G, E]. Groups past the row read
-    the last group's (their weights are 0), which keeps the columns contiguous runs."""
+    """The input values at both parts' columns, float32. Groups past the row read the last
+    group's (their weights are 0), which keeps the columns contiguous runs."""
     gc = tl.minimum(g, NG - 1)
     x0 = _input_tile(x, nw, inv, column(gc, e, 0, QT, BLOCK, GPB), dt, NORM)
     x1 = x0
@@ -148,22 +144,27 @@ def _gemv_kernel(
     BLOCK_N: tl.constexpr, G: tl.constexpr, NORM: tl.constexpr, NORM_BLOCK: tl.constexpr,
     SILU: tl.constexpr, RESIDUAL: tl.constexpr, PDL: tl.constexpr,
 ):
-    """SILU: rows r (gate) and r + N (up) in one program; G scale groups a step."""
+    """SILU: rows r (gate) and r + N (up) in one program; G scale groups a step.
+
+    Tiles are [rows, G, E / 8, 8]: the weight bytes and the (16-bit) inputs then load as
+    runs of 8 in one layout, so the input tile is not moved between layouts, and once the
+    G * E / 8 runs cover all threads each thread keeps its inputs for all its rows."""
     rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     row_ok = rows < N
     rows_c = tl.where(row_ok, rows, 0).to(tl.int64)
-    rb = (rows_c * RS)[:, None, None]
-    ub = ((rows_c + N) * RS)[:, None, None]
-    g = tl.arange(0, G)[None, :, None]
-    e = tl.arange(0, E)[None, None, :]
+    rb = (rows_c * RS)[None, None, :, None]
+    ub = ((rows_c + N) * RS)[None, None, :, None]
+    g = tl.arange(0, G)[:, None, None, None]
+    e = tl.arange(0, E // 8)[None, :, None, None] * 8 + tl.arange(0, 8)[None, None, None, :]
     dt = x.dtype.element_ty
     ok = g < NG
     # The first tile is read before anything the previous kernel writes (PDL, as gemv.py).
     if PDL:
         _allow_dependents()
-    w0, w1 = _weights(b, h, rb, g, e, ok, QT, GPB, E, PARTS, OQ, SQ, OH, SH, OSC, SSC, OD, SD, OM, SM)
+    w0, w1 = _weights(b, h, rb, g, e, ok, QT, GPB, E, OQ, SQ, OH, SH, OSC, SSC, OD, SD, OM, SM)
     if SILU:
-        u0, u1 = _weights(b, h, ub, g, e, ok, QT, GPB, E, PARTS, OQ, SQ, OH, SH, OSC, SSC, OD, SD, OM, SM)
+        u0, u1 = _weights(b, h, ub, g, e, ok, QT, GPB, E, OQ, SQ, OH, SH, OSC, SSC, OD, SD, OM,
+                          SM)
     if PDL:
         _wait_for_inputs()
     if NORM:  # 1 / rms of the input row, as fused._rms_kernel computes it
@@ -182,19 +183,21 @@ def _gemv_kernel(
     for g0 in range(G, NG, G):
         gt = g0 + g
         okt = gt < NG
-        w0, w1 = _weights(b, h, rb, gt, e, okt, QT, GPB, E, PARTS, OQ, SQ, OH, SH, OSC, SSC, OD, SD, OM, SM)
+        w0, w1 = _weights(b, h, rb, gt, e, okt, QT, GPB, E, OQ, SQ, OH, SH, OSC, SSC, OD, SD, OM,
+                          SM)
         x0, x1 = _inputs(x, nw, inv if NORM else eps, gt, e, NG, dt, NORM, QT, BLOCK, GPB, PARTS)
         acc += w0 * x0
         if PARTS == 2:
             acc += w1 * x1
         if SILU:
-            u0, u1 = _weights(b, h, ub, gt, e, okt, QT, GPB, E, PARTS, OQ, SQ, OH, SH, OSC, SSC, OD, SD, OM, SM)
+            u0, u1 = _weights(b, h, ub, gt, e, okt, QT, GPB, E, OQ, SQ, OH, SH, OSC, SSC, OD, SD,
+                              OM, SM)
             acc2 += u0 * x0
             if PARTS == 2:
                 acc2 += u1 * x1
-    y = tl.sum(tl.sum(acc, 2), 1).to(dt).to(tl.float32)
+    y = tl.sum(tl.sum(tl.sum(acc, 3), 1), 0).to(dt).to(tl.float32)
     if SILU:
-        y2 = tl.sum(tl.sum(acc2, 2), 1).to(dt).to(tl.float32)
+        y2 = tl.sum(tl.sum(tl.sum(acc2, 3), 1), 0).to(dt).to(tl.float32)
         y = tl.math.div_rn(y, 1.0 + exp(-y)).to(dt).to(tl.float32) * y2
     if RESIDUAL:
         y = tl.load(res + rows_c).to(tl.float32) + y
@@ -222,7 +225,8 @@ def _mm_kernel(
     dt = x.dtype.element_ty
     acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
     for g0 in range(0, NG, G):
-        w0, w1 = _weights(b, h, rb, g0 + g, e, g0 + g < NG, QT, GPB, E, PARTS, OQ, SQ, OH, SH, OSC, SSC, OD, SD, OM, SM)
+        w0, w1 = _weights(b, h, rb, g0 + g, e, g0 + g < NG, QT, GPB, E, OQ, SQ, OH, SH, OSC, SSC,
+                          OD, SD, OM, SM)
         gc = tl.minimum(g0 + gf, NG - 1)  # as in _inputs
         xt = tl.load(x + xr + column(gc, ef, 0, QT, BLOCK, GPB)[None, :])
         wt = tl.reshape(w0, (BLOCK_N, G * E)).to(dt)

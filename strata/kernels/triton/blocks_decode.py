@@ -150,40 +150,63 @@ def column(g, e, HI: tl.constexpr, QT: tl.constexpr, BLOCK: tl.constexpr, GPB: t
 
 
 @triton.jit
-def decode(b, h, rb, g, e, ok, HI: tl.constexpr, QT: tl.constexpr, GPB: tl.constexpr,
-           E: tl.constexpr, OQ: tl.constexpr, SQ: tl.constexpr, OH: tl.constexpr,
-           SH: tl.constexpr, OSC: tl.constexpr, SSC: tl.constexpr, OD: tl.constexpr,
-           SD: tl.constexpr, OM: tl.constexpr, SM: tl.constexpr):
-    """float32 weights [rows, G, E] of part HI: rb [rows, 1, 1] row byte offsets, g [1, G, 1]
-    scale groups of the row, e [1, 1, E], ok [1, G, 1] the groups inside the row (others 0)."""
+def _part(q, qh, b, h, rb, blk, gb, e, ok, HI: tl.constexpr, QT: tl.constexpr,
+          OSC: tl.constexpr, SSC: tl.constexpr, OD: tl.constexpr, SD: tl.constexpr,
+          OM: tl.constexpr, SM: tl.constexpr):
+    """One part's float32 weights from its 4-bit quants q (and the high-bit bytes qh).
+
+    The quants are converted before any scale is read: the compiler then keeps the whole
+    tile in the layout of its load and brings the (few) scales to it, not the reverse."""
+    if QT == 12 or QT == 13:  # Q4_K, Q5_K
+        if QT == 13:  # fifth bit: bit 2p (lo) or 2p + 1 (hi) of qh byte l
+            q |= ((qh >> (2 * gb + HI)) & 1) << 4
+        qf = _f32(q, 0)
+        sc, mn = _k4_scale(b, rb + OSC + blk * SSC, 2 * gb + HI, ok)
+        w = qf * (_half(h, rb + OD + blk * SD, ok) * _f32(sc, 0))
+        w = w - _half(h, rb + OM + blk * SM, ok) * _f32(mn, 0)
+    elif QT == 14:  # Q6_K: 2 high bits from qh, 16 int8 sub-scales
+        q |= ((qh >> (2 * ((gb % 4) // 2) + 4 * HI)) & 3) << 4
+        qf = _f32(q, 32)
+        sc = _byte(b, rb + OSC + blk * SSC + (gb // 4) * 8 + gb % 4 + 4 * HI, ok)
+        w = qf * (_half(h, rb + OD + blk * SD, ok) * _f32(sc ^ 0x80, 128))
+    else:  # Q4_0, Q4_1, Q5_0, Q5_1
+        if QT == 6 or QT == 7:  # fifth bit: bit j (lo) or j + 16 (hi) of the 32-bit qh
+            q |= ((qh >> (e % 8)) & 1) << 4
+        if QT == 3 or QT == 7:  # Q4_1, Q5_1: d * q + m
+            qf = _f32(q, 0)
+            w = qf * _half(h, rb + OD + blk * SD, ok) + _half(h, rb + OM + blk * SM, ok)
+        else:
+            qf = _f32(q, 8 if QT == 2 else 16)
+            w = qf * _half(h, rb + OD + blk * SD, ok)
+    return w
+
+
+@triton.jit
+def decode(b, h, rb, g, e, ok, QT: tl.constexpr, GPB: tl.constexpr, E: tl.constexpr,
+           OQ: tl.constexpr, SQ: tl.constexpr, OH: tl.constexpr, SH: tl.constexpr,
+           OSC: tl.constexpr, SSC: tl.constexpr, OD: tl.constexpr, SD: tl.constexpr,
+           OM: tl.constexpr, SM: tl.constexpr):
+    """float32 weights of both parts (Q8_0: its one part twice) for rows at byte offsets rb,
+    scale groups g of the row and elements e < E (broadcast against each other); groups
+    where ok is false read as 0. Each quant byte is read once for both of its values."""
     blk = g // GPB
     gb = g % GPB
     q = _byte(b, rb + OQ + blk * SQ + gb * E + e, ok)
-    d = _half(h, rb + OD + blk * SD, ok)
     if QT == 8:  # Q8_0: int8 quants
-        w = _f32(q ^ 0x80, 128) * d
+        w0 = _f32(q ^ 0x80, 128) * _half(h, rb + OD + blk * SD, ok)
+        w1 = w0
     else:
-        q = (q >> 4) if HI else (q & 15)
-        if QT == 12 or QT == 13:  # Q4_K, Q5_K
-            if QT == 13:  # fifth bit: bit 2p (lo) or 2p + 1 (hi) of qh byte l
-                q |= ((_byte(b, rb + OH + blk * SH + e, ok) >> (2 * gb + HI)) & 1) << 4
-            sc, mn = _k4_scale(b, rb + OSC + blk * SSC, 2 * gb + HI, ok)
-            dsub = d * _f32(sc, 0)
-            msub = _half(h, rb + OM + blk * SM, ok) * _f32(mn, 0)
-            w = _f32(q, 0) * dsub - msub
-        elif QT == 14:  # Q6_K: 2 high bits from qh, 16 int8 sub-scales
-            qh = _byte(b, rb + OH + blk * SH + (gb // 4) * 32 + (gb % 2) * 16 + e, ok)
-            q |= ((qh >> (2 * ((gb % 4) // 2) + 4 * HI)) & 3) << 4
-            sc = _byte(b, rb + OSC + blk * SSC + (gb // 4) * 8 + gb % 4 + 4 * HI, ok)
-            w = _f32(q, 32) * (d * _f32(sc ^ 0x80, 128))
-        else:  # Q4_0, Q4_1, Q5_0, Q5_1
-            if QT == 6 or QT == 7:  # fifth bit: bit j (lo) or j + 16 (hi) of the 32-bit qh
-                at = rb + OH + blk * SH + 2 * HI + e // 8
-                q |= ((_byte(b, at, ok) >> (e % 8)) & 1) << 4
-            if QT == 3 or QT == 7:  # Q4_1, Q5_1: d * q + m
-                w = _f32(q, 0) * d + _half(h, rb + OM + blk * SM, ok)
-            elif QT == 2:
-                w = _f32(q, 8) * d
-            else:
-                w = _f32(q, 16) * d
-    return w
+        qh0 = q
+        qh1 = q
+        if QT == 13:  # Q5_K: byte l of qh holds the fifth bits of value l of all 8 sub-blocks
+            qh0 = _byte(b, rb + OH + blk * SH + e, ok)
+            qh1 = qh0
+        elif QT == 14:  # Q6_K: byte (32 h + l) holds the high bits of 4 values
+            qh0 = _byte(b, rb + OH + blk * SH + (gb // 4) * 32 + (gb % 2) * 16 + e, ok)
+            qh1 = qh0
+        elif QT == 6 or QT == 7:  # Q5_0, Q5_1: bytes 0-1 of qh for lo, 2-3 for hi
+            qh0 = _byte(b, rb + OH + blk * SH + e // 8, ok)
+            qh1 = _byte(b, rb + OH + blk * SH + 2 + e // 8, ok)
+        w0 = _part(q & 15, qh0, b, h, rb, blk, gb, e, ok, 0, QT, OSC, SSC, OD, SD, OM, SM)
+        w1 = _part(q >> 4, qh1, b, h, rb, blk, gb, e, ok, 1, QT, OSC, SSC, OD, SD, OM, SM)
+    return w0, w1
