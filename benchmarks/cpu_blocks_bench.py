@@ -8,7 +8,9 @@ M, and reports GB/s of weight bytes and GFLOP/s. The baseline is what
 of 32, bf16 scales) and `torch._weight_int8pack_mm` on the same shapes.
 Each call uses the next of several copies of the weights (64 MiB or more in
 all), so that no copy is in cache when it is read, as in a real step.
-Timings are medians; on a host whose cores other processes share they are
+K-quants need K a multiple of 256, so of
+this model's shapes only `down` takes them (llama.cpp's files use other
+types there). Timings are medians; on a host whose cores other processes share they are
 noisy, and best read as ratios against the baseline of the same run.
 
     python -m benchmarks.cpu_blocks_bench --out blocks.json
@@ -74,6 +76,8 @@ def _figures(seconds: float, weight_bytes: int, m: int, n: int, k: int) -> dict[
 
 def bench_blocks(kernel: Any, qtype: GGMLQuantizationType, n: int, k: int, ms: list[int],
                  budget_s: float) -> dict[str, Any]:
+    if k % GGML_QUANT_SIZES[qtype][0]:
+        return {"skipped": f"K = {k} is not a multiple of {qtype.name}'s block"}
     one = random_blocks(qtype, n, k, 0)
     copies = max(2, math.ceil(ROTATE_BYTES / one.numel()))
     ws = [one] + [random_blocks(qtype, n, k, c) for c in range(1, copies)]
