@@ -8,7 +8,9 @@ M, and reports GB/s of weight bytes and GFLOP/s. The baseline is what
 of 32, bf16 scales) and `torch._weight_int8pack_mm` on the same shapes.
 Each call uses the next of several copies of the weights (64 MiB or more in
 all), so that no copy is in cache when it is read, as in a real step.
-Timings are medians; on a host whose cores other processes share they are
+K-quants need K a multiple of 256, so of
+this model's shapes only `down` takes them (llama.cpp's files use other
+types there). Timings are medians; on a host whose cores other processes share they are
 noisy, and best read as ratios against the baseline of the same run.
 
     python -m benchmarks.cpu_blocks_bench --out blocks.json
@@ -52,28 +54,34 @@ def random_blocks(qtype: GGMLQuantizationType, n: int, k: int, seed: int) -> tor
     return torch.from_numpy(raw.reshape(n, -1))
 
 
-def _time(fn: Callable[[int], Any], copies: int, budget_s: float) -> float:
-    """Median seconds of one call fn(i), cycling over the copies."""
+def _time(fn: Callable[[int], Any], copies: int, budget_s: float) -> tuple[float, float]:
+    """Median wall seconds of one call fn(i), cycling over the copies, and median CPU seconds
+    (all threads: on a shared host the wall time includes waits for a descheduled thread)."""
     fn(0)
     start = time.perf_counter()
     fn(1 % copies)
     once = time.perf_counter() - start
     reps = max(3, min(200, int(budget_s / max(once, 1e-7))))
-    times = []
+    times, cpu = [], []
     for r in range(reps):
-        start = time.perf_counter()
+        start, start_cpu = time.perf_counter(), time.process_time()
         fn(r % copies)
         times.append(time.perf_counter() - start)
-    return statistics.median(times)
+        cpu.append(time.process_time() - start_cpu)
+    return statistics.median(times), statistics.median(cpu)
 
 
-def _figures(seconds: float, weight_bytes: int, m: int, n: int, k: int) -> dict[str, float]:
-    return {"us": round(seconds * 1e6, 1), "weight_GBps": round(weight_bytes / seconds / 1e9, 2),
+def _figures(t: tuple[float, float], weight_bytes: int, m: int, n: int, k: int) -> dict[str, float]:
+    seconds, cpu = t
+    return {"us": round(seconds * 1e6, 1), "cpu_us": round(cpu * 1e6, 1),
+            "weight_GBps": round(weight_bytes / seconds / 1e9, 2),
             "GFLOPs": round(2 * m * n * k / seconds / 1e9, 2)}
 
 
 def bench_blocks(kernel: Any, qtype: GGMLQuantizationType, n: int, k: int, ms: list[int],
                  budget_s: float) -> dict[str, Any]:
+    if k % GGML_QUANT_SIZES[qtype][0]:
+        return {"skipped": f"K = {k} is not a multiple of {qtype.name}'s block"}
     one = random_blocks(qtype, n, k, 0)
     copies = max(2, math.ceil(ROTATE_BYTES / one.numel()))
     ws = [one] + [random_blocks(qtype, n, k, c) for c in range(1, copies)]

@@ -18,9 +18,10 @@
 // weights exactly, factored. The order depends on nothing but K, so row i
 // of the output has the same bits whatever M, the other rows of x or the
 // thread count: threads split the output rows N only, never K. One lane
-// (M = 1) decodes the codes in registers; several lanes decode a tile of
-// weight rows to float32 once and run every x row over it with the same
-// operations.
+// (M = 1) unpacks each block's codes to int8 (in L1) and converts them as
+// it multiplies, four weight rows at a time; several lanes decode a tile of
+// weight rows to float32 once (in L2) and run every x row over it with the
+// same operations, so the converted codes are the same exact integers.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 
@@ -93,6 +94,17 @@ inline void scale_min_k4(int j, const uint8_t* q, int& sc, int& mn) {
   } else {
     sc = (q[j + 4] & 0xF) | ((q[j - 4] >> 6) << 4);
     mn = (q[j + 4] >> 4) | ((q[j] >> 6) << 4);
+  }
+}
+
+// Q4_K / Q5_K: d * scale, and the min negated (the file's value is d sc q - dmin mn)
+inline void k4_scales(const uint8_t* b, float* s, float* m) {
+  const float d = f16(b), dmin = f16(b + 2);
+  for (int g = 0; g < 8; ++g) {
+    int sc, mn;
+    scale_min_k4(g, b + 4, sc, mn);
+    s[g] = d * static_cast<float>(sc);
+    m[g] = -(dmin * static_cast<float>(mn));
   }
 }
 
@@ -177,13 +189,7 @@ struct Q4_K {
   static constexpr int QK = 256, BYTES = 144, G = 32;
   static constexpr bool MIN = true;
   static const int8_t* block(const uint8_t* b, int8_t* c, float* s, float* m) {
-    const float d = f16(b), dmin = f16(b + 2);
-    for (int g = 0; g < 8; ++g) {
-      int sc, mn;
-      scale_min_k4(g, b + 4, sc, mn);
-      s[g] = d * static_cast<float>(sc);
-      m[g] = -(dmin * static_cast<float>(mn));  // the file's value is s * q - dmin * mn
-    }
+    k4_scales(b, s, m);
     const uint8_t* qs = b + 16;
 #if defined(STRATA_BLOCKS_AVX2)
     const __m256i f = _mm256_set1_epi8(0x0F);
@@ -208,13 +214,7 @@ struct Q5_K {
   static constexpr int QK = 256, BYTES = 176, G = 32;
   static constexpr bool MIN = true;
   static const int8_t* block(const uint8_t* b, int8_t* c, float* s, float* m) {
-    const float d = f16(b), dmin = f16(b + 2);
-    for (int g = 0; g < 8; ++g) {
-      int sc, mn;
-      scale_min_k4(g, b + 4, sc, mn);
-      s[g] = d * static_cast<float>(sc);
-      m[g] = -(dmin * static_cast<float>(mn));
-    }
+    k4_scales(b, s, m);
     const uint8_t *qh = b + 16, *qs = b + 48;
     for (int g = 0; g < 8; ++g)
       for (int l = 0; l < 32; ++l) {
@@ -303,7 +303,7 @@ struct Q3_K {
 
 // ---- the products ----
 
-// One lane: NR weight rows at once against one x row, codes decoded in registers.
+// One lane: NR weight rows at once against one x row (independent chains hide FMA latency).
 template <class T, int NR>
 void fly(const uint8_t* w, int64_t row_bytes, const float* x, const float* xs, int64_t nb, float* y) {
   constexpr int NG = T::QK / T::G, GV = T::G / 8;
@@ -412,13 +412,9 @@ constexpr int64_t TILE_FLOATS = 1 << 15;  // decoded tile: 128 KiB, well inside 
 
 template <class T>
 void fly_rows(int nr, const uint8_t* w, int64_t rb, const float* x, const float* xs, int64_t nb, float* y) {
-  // a tail of fewer than FLY_ROWS rows: the same per-row operations, fewer at once
-  switch (nr) {
-    case 4: return fly<T, 4>(w, rb, x, xs, nb, y);
-    case 3: return fly<T, 3>(w, rb, x, xs, nb, y);
-    case 2: return fly<T, 2>(w, rb, x, xs, nb, y);
-    default: return fly<T, 1>(w, rb, x, xs, nb, y);
-  }
+  if (nr == FLY_ROWS) return fly<T, FLY_ROWS>(w, rb, x, xs, nb, y);
+  // a tail of fewer rows: the same per-row operations, one row at a time
+  for (int r = 0; r < nr; ++r) fly<T, 1>(w + r * rb, rb, x, xs, nb, y + r);
 }
 
 template <class T, int MR>
@@ -451,7 +447,6 @@ void run(const uint8_t* w, int64_t N, int64_t K, const float* x, const float* xs
   const int64_t tiles = (N + per_tile - 1) / per_tile;
   at::parallel_for(0, tiles, 1, [&](int64_t b, int64_t e) {
     Tile t;
-    std::vector<float> out(TILE_MR * TILE_NR);
     for (int64_t tt = b; tt < e; ++tt) {
       const int64_t n0 = tt * per_tile;
       const int rows = static_cast<int>(std::min(per_tile, N - n0));
@@ -523,11 +518,21 @@ at::Tensor block_matmul(const at::Tensor& x, const at::Tensor& blocks, int64_t q
   at::Tensor out = at::empty({M, N}, x.options());
   if (M == 0 || N == 0) return out;
   if (K == 0) return out.zero_();
-  // x as float32 (exact from bf16/fp16), and per group the lane sums for the min term
-  at::Tensor xf = x.scalar_type() == at::kFloat ? x : x.to(at::kFloat);
+  // x as float32 (exact from bf16/fp16), and per group the lane sums for the min term; the
+  // buffers are the thread's own and kept: a decode step makes a hundred small calls
+  thread_local std::vector<float> xbuf, xs, ybuf;
+  const bool f32 = x.scalar_type() == at::kFloat;
+  const float* xp = f32 ? x.data_ptr<float>() : nullptr;
+  if (!f32) {
+    xbuf.resize(M * K);
+    AT_DISPATCH_REDUCED_FLOATING_TYPES(x.scalar_type(), "block_matmul", [&] {
+      const scalar_t* src = x.data_ptr<scalar_t>();
+      for (int64_t i = 0; i < M * K; ++i) xbuf[i] = static_cast<float>(src[i]);
+    });
+    xp = xbuf.data();
+  }
   const int64_t ng = K / ti->group, xsw = ti->min ? 8 * ng : 0;
-  std::vector<float> xs(M * xsw);
-  const float* xp = xf.data_ptr<float>();
+  xs.resize(M * xsw);
   if (ti->min) {
     const int gv = static_cast<int>(ti->group / 8);
     for (int64_t i = 0; i < M; ++i)
@@ -538,8 +543,15 @@ at::Tensor block_matmul(const at::Tensor& x, const at::Tensor& blocks, int64_t q
         vstore(xs.data() + i * xsw + 8 * g, s);
       }
   }
-  at::Tensor yf = x.scalar_type() == at::kFloat ? out : at::empty({M, N}, x.options().dtype(at::kFloat));
-  ti->fn(blocks.data_ptr<uint8_t>(), N, K, xp, xs.data(), M, yf.data_ptr<float>());
-  if (!yf.is_same(out)) out.copy_(yf);
+  if (f32) {
+    ti->fn(blocks.data_ptr<uint8_t>(), N, K, xp, xs.data(), M, out.data_ptr<float>());
+  } else {
+    ybuf.resize(M * N);
+    ti->fn(blocks.data_ptr<uint8_t>(), N, K, xp, xs.data(), M, ybuf.data());
+    AT_DISPATCH_REDUCED_FLOATING_TYPES(x.scalar_type(), "block_matmul", [&] {
+      scalar_t* dst = out.data_ptr<scalar_t>();
+      for (int64_t i = 0; i < M * N; ++i) dst[i] = static_cast<scalar_t>(ybuf[i]);
+    });
+  }
   return out;
 }
