@@ -176,3 +176,22 @@ def test_bad_input_is_a_clear_error(kernel) -> None:
         kernel.block_matmul(torch.randn(64, 2).T, raw, int(T.Q8_0))
     with pytest.raises(RuntimeError, match="contiguous"):
         kernel.block_matmul(x, torch.cat([raw, raw], 1)[:, :68], int(T.Q8_0))
+
+
+@pytest.mark.parametrize("qtype", [T.Q4_1, T.Q8_0, T.Q4_K], ids=lambda t: t.name)
+def test_a_large_matrix_split_over_threads_keeps_the_bits(kernel, qtype) -> None:
+    """Large enough that one lane's product is split over the threads too (by rows, never K)."""
+    k = 1536 if qtype == T.Q4_K else 576
+    raw = torch.from_numpy(make_blocks(qtype, 1030, k, seed=11))  # > 256 KiB, 1030 = a tail
+    x = torch.randn(5, k).bfloat16()
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        one = [kernel.block_matmul(x[i:i + 1].contiguous(), raw, int(qtype)) for i in range(5)]
+        torch.set_num_threads(2)
+        two = [kernel.block_matmul(x[i:i + 1].contiguous(), raw, int(qtype)) for i in range(5)]
+        both = kernel.block_matmul(x, raw, int(qtype))
+    finally:
+        torch.set_num_threads(threads)
+    for i in range(5):
+        assert torch.equal(one[i], two[i]) and torch.equal(one[i][0], both[i])
