@@ -40,10 +40,11 @@ try:  # the arguments parse without Triton (a CPU machine); the sweep itself nee
 except ImportError:
     blocks = gemv = None  # type: ignore[assignment]
 
-# gemv: (rows a program, columns a step, warps); each program's rows share the input tile
-GEMV_GRID = [(1, 1024, 4), (2, 1024, 4), (4, 1024, 4), (8, 1024, 4), (2, 2048, 4), (4, 2048, 8),
-             (2, 1024, 2), (8, 2048, 8)]
-# mm: (BLOCK_M, BLOCK_N, columns a part a step, warps, stages) per `blocks.m_bucket`; the
+# gemv: (rows a program, values of a part a step (G * E), warps); runs of 8 values a thread,
+# so 1,024 values fill 4 warps and each thread then holds its inputs for all the rows
+GEMV_GRID = [(4, 1024, 4), (2, 1024, 4), (8, 1024, 4), (1, 1024, 4), (4, 2048, 8), (8, 2048, 8),
+             (4, 512, 2), (2, 512, 2)]
+# mm: (BLOCK_M, BLOCK_N, values of a part a step, warps, stages) per `blocks.m_bucket`; the
 # kernel's N is no constant, so the shapes of one K share their compiled candidates
 MM_GRID = {
     16: [(16, 32, 128, 4, 2), (16, 64, 128, 4, 2), (16, 32, 256, 4, 1)],
@@ -90,6 +91,12 @@ def _dense_us(fn, w0: torch.Tensor, gib: float, label: str) -> float:
     return _us(lambda i: fn(w[i]), copies, label)
 
 
+def _per(qtype: int, values: int, k: int) -> int:
+    """Blocks a step for `values` values of each part, at most the row's (a power of 2)."""
+    bt = TYPES[qtype]
+    return max(1, min(values // (bt.groups * bt.group), 1 << (k // bt.block - 1).bit_length()))
+
+
 def _best(configs: list[dict[str, Any]]) -> dict[str, Any] | None:
     good = [c for c in configs if c["us"] == c["us"]]
     return min(good, key=lambda c: c["us"]) if good else None
@@ -97,7 +104,6 @@ def _best(configs: list[dict[str, Any]]) -> dict[str, Any] | None:
 
 def sweep_gemv(name: str, n: int, k: int, ops: str, qtype: int, gib: float) -> dict[str, Any]:
     dev, dt = torch.device(DEV), torch.bfloat16
-    bt = TYPES[qtype]
     raw, packed, raw_bytes = _block_copies(qtype, n, k, gib)
     copies = raw.shape[0]
     x = torch.randn(1, k, device=dev, dtype=dt)
@@ -110,8 +116,8 @@ def sweep_gemv(name: str, n: int, k: int, ops: str, qtype: int, gib: float) -> d
                            "copies": copies, "bytes": raw_bytes}
     row["raw_default_us"] = _us(lambda i: blocks.block_gemv(x, raw[i], qtype, **kw), copies, name)
     configs = []
-    for bn, cols, warps in GEMV_GRID:
-        per = max(1, min(cols // bt.block, 1 << (k // bt.block - 1).bit_length()))
+    for bn, values, warps in GEMV_GRID:
+        per = _per(qtype, values, k)
         cfg = (bn, per, warps, 1)
         if any(c["config"] == list(cfg) for c in configs):
             continue
@@ -133,7 +139,6 @@ def sweep_gemv(name: str, n: int, k: int, ops: str, qtype: int, gib: float) -> d
 
 def sweep_mm(name: str, n: int, k: int, qtype: int, m: int, gib: float) -> dict[str, Any]:
     dev, dt = torch.device(DEV), torch.bfloat16
-    bt = TYPES[qtype]
     raw, packed, raw_bytes = _block_copies(qtype, n, k, gib)
     copies = raw.shape[0]
     x = torch.randn(m, k, device=dev, dtype=dt)
@@ -142,8 +147,8 @@ def sweep_mm(name: str, n: int, k: int, qtype: int, m: int, gib: float) -> dict[
                            "bytes": raw_bytes}
     row["raw_default_us"] = _us(lambda i: blocks.block_mm(x, raw[i], qtype), copies, name)
     configs = []
-    for bm, bn, cols, warps, stages in MM_GRID[blocks.m_bucket(m)]:
-        per = max(1, min(cols * bt.parts // bt.block, 1 << (k // bt.block - 1).bit_length()))
+    for bm, bn, values, warps, stages in MM_GRID[blocks.m_bucket(m)]:
+        per = _per(qtype, values, k)
         cfg = (bm, bn, per, warps, stages)
         us = _us(lambda i: blocks.block_mm(x, packed[i], qtype, packed=True, config=cfg), copies,
                  f"{name} {T(qtype).name} M={m} {cfg}")
