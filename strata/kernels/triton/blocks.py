@@ -305,6 +305,8 @@ def block_mm(
     m, k = x.shape
     n = blocks.shape[0]
     bm, bn, per, warps, stages = config or default_mm_config(m, n, k, qtype)
+    if config is None and x.dtype == torch.float32:
+        stages = 1  # float32 tiles take twice the shared memory
     out = torch.empty((m, n), dtype=out_dtype or x.dtype, device=x.device)
     _mm_kernel[(triton.cdiv(m, bm), triton.cdiv(n, bn))](
         x, blocks, blocks.view(torch.float16), out, m, n, K=k, **_type_args(qtype, nb, packed),
