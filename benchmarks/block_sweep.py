@@ -13,7 +13,9 @@ Each timing replays a CUDA graph over enough copies of the weights (2 GiB)
 that none is in L2 (`gemv_sweep._time`). GB/s counts the bytes of the blocks
 read (the file's bytes), TFLOP/s 2 M N K. The output ends with the best
 configs as `GEMV_CONFIGS` / `MM_CONFIGS` entries. Results are written after
-every matrix, so a run cut short keeps what it measured.
+every matrix, so a run cut short keeps what it measured. The candidates are
+compiled first in `--workers` processes (about 200 kernels for the default
+set); the timings then run in this one.
 
     python -m benchmarks.block_sweep --out block.json
 """
@@ -40,10 +42,11 @@ try:  # the arguments parse without Triton (a CPU machine); the sweep itself nee
 except ImportError:
     blocks = gemv = None  # type: ignore[assignment]
 
-# gemv: (rows a program, columns a step, warps); each program's rows share the input tile
-GEMV_GRID = [(1, 1024, 4), (2, 1024, 4), (4, 1024, 4), (8, 1024, 4), (2, 2048, 4), (4, 2048, 8),
-             (2, 1024, 2), (8, 2048, 8)]
-# mm: (BLOCK_M, BLOCK_N, columns a part a step, warps, stages) per `blocks.m_bucket`; the
+# gemv: (rows a program, values of a part a step (G * E), warps); runs of 8 values a thread,
+# so 1,024 values fill 4 warps and each thread then holds its inputs for all the rows
+GEMV_GRID = [(4, 1024, 4), (2, 1024, 4), (8, 1024, 4), (1, 1024, 4), (4, 2048, 8), (8, 2048, 8),
+             (4, 512, 2), (2, 512, 2)]
+# mm: (BLOCK_M, BLOCK_N, values of a part a step, warps, stages) per `blocks.m_bucket`; the
 # kernel's N is no constant, so the shapes of one K share their compiled candidates
 MM_GRID = {
     16: [(16, 32, 128, 4, 2), (16, 64, 128, 4, 2), (16, 32, 256, 4, 1)],
@@ -90,6 +93,12 @@ def _dense_us(fn, w0: torch.Tensor, gib: float, label: str) -> float:
     return _us(lambda i: fn(w[i]), copies, label)
 
 
+def _per(qtype: int, values: int, k: int) -> int:
+    """Blocks a step for `values` values of each part, at most the row's (a power of 2)."""
+    bt = TYPES[qtype]
+    return max(1, min(values // (bt.groups * bt.group), 1 << (k // bt.block - 1).bit_length()))
+
+
 def _best(configs: list[dict[str, Any]]) -> dict[str, Any] | None:
     good = [c for c in configs if c["us"] == c["us"]]
     return min(good, key=lambda c: c["us"]) if good else None
@@ -97,7 +106,6 @@ def _best(configs: list[dict[str, Any]]) -> dict[str, Any] | None:
 
 def sweep_gemv(name: str, n: int, k: int, ops: str, qtype: int, gib: float) -> dict[str, Any]:
     dev, dt = torch.device(DEV), torch.bfloat16
-    bt = TYPES[qtype]
     raw, packed, raw_bytes = _block_copies(qtype, n, k, gib)
     copies = raw.shape[0]
     x = torch.randn(1, k, device=dev, dtype=dt)
@@ -110,8 +118,8 @@ def sweep_gemv(name: str, n: int, k: int, ops: str, qtype: int, gib: float) -> d
                            "copies": copies, "bytes": raw_bytes}
     row["raw_default_us"] = _us(lambda i: blocks.block_gemv(x, raw[i], qtype, **kw), copies, name)
     configs = []
-    for bn, cols, warps in GEMV_GRID:
-        per = max(1, min(cols // bt.block, 1 << (k // bt.block - 1).bit_length()))
+    for bn, values, warps in GEMV_GRID:
+        per = _per(qtype, values, k)
         cfg = (bn, per, warps, 1)
         if any(c["config"] == list(cfg) for c in configs):
             continue
@@ -133,7 +141,6 @@ def sweep_gemv(name: str, n: int, k: int, ops: str, qtype: int, gib: float) -> d
 
 def sweep_mm(name: str, n: int, k: int, qtype: int, m: int, gib: float) -> dict[str, Any]:
     dev, dt = torch.device(DEV), torch.bfloat16
-    bt = TYPES[qtype]
     raw, packed, raw_bytes = _block_copies(qtype, n, k, gib)
     copies = raw.shape[0]
     x = torch.randn(m, k, device=dev, dtype=dt)
@@ -142,8 +149,8 @@ def sweep_mm(name: str, n: int, k: int, qtype: int, m: int, gib: float) -> dict[
                            "bytes": raw_bytes}
     row["raw_default_us"] = _us(lambda i: blocks.block_mm(x, raw[i], qtype), copies, name)
     configs = []
-    for bm, bn, cols, warps, stages in MM_GRID[blocks.m_bucket(m)]:
-        per = max(1, min(cols * bt.parts // bt.block, 1 << (k // bt.block - 1).bit_length()))
+    for bm, bn, values, warps, stages in MM_GRID[blocks.m_bucket(m)]:
+        per = _per(qtype, values, k)
         cfg = (bm, bn, per, warps, stages)
         us = _us(lambda i: blocks.block_mm(x, packed[i], qtype, packed=True, config=cfg), copies,
                  f"{name} {T(qtype).name} M={m} {cfg}")
@@ -161,24 +168,78 @@ def sweep_mm(name: str, n: int, k: int, qtype: int, m: int, gib: float) -> dict[
     return row
 
 
+def _launches(n: int, k: int, ops: str, qtype: int, ms: list[int]) -> list[tuple]:
+    """The distinct kernels the sweep of one matrix launches, as `_compile` jobs."""
+    silu = "silu" in ops
+    rows = n // 2 if silu else n
+    jobs = [("gemv", qtype, k, ops, blocks.default_gemv_config(rows, k, qtype, silu), False)]
+    jobs += [("gemv", qtype, k, ops, (bn, _per(qtype, v, k), w, 1), True) for bn, v, w in GEMV_GRID]
+    for m in [m for m in ms if m]:
+        jobs.append(("mm", qtype, k, m, blocks.default_mm_config(m, n, k, qtype), False))
+        jobs += [("mm", qtype, k, m, (bm, bn, _per(qtype, v, k), w, st), True)
+                 for bm, bn, v, w, st in MM_GRID[blocks.m_bucket(m)]]
+    return jobs
+
+
+def _compile(job: tuple) -> str:
+    """Launch one kernel on small operands of the same specialization (sizes that are
+    multiples of 16), which puts it in Triton's cache on disk for the timing process."""
+    global DEV
+    kind, qtype, k, arg, cfg, packed, DEV = job
+    dev, dt = DEV, torch.bfloat16
+    try:
+        b = random_blocks(qtype, 32, k, 1)[0]
+        b = blocks.pack(b, qtype) if packed else b
+        if kind == "mm":
+            blocks.block_mm(torch.randn(16, k, device=dev, dtype=dt), b, qtype, packed=packed,
+                            config=cfg)
+        else:
+            silu = "silu" in arg
+            rows = 16 if silu else 32
+            blocks.block_gemv(
+                torch.randn(1, k, device=dev, dtype=dt), b, qtype, packed=packed, config=cfg,
+                norm_weight=torch.ones(k, device=dev, dtype=dt) if "norm" in arg else None,
+                eps=EPS, silu=silu, out_dtype=torch.float32 if "f32" in arg else None,
+                residual=torch.zeros(1, rows, device=dev, dtype=dt) if "residual" in arg else None)
+        return ""
+    except Exception as e:  # noqa: BLE001 - the timing run reports it again
+        return f"{job[:5]}: {type(e).__name__}: {str(e)[:120]}"
+
+
+def compile_all(jobs: list[tuple], workers: int) -> None:
+    """Compile the candidates in parallel processes (compiling, not timing, is what takes a
+    sweep's minutes); the timings then load them from the cache, one process on the GPU."""
+    import multiprocessing
+
+    jobs = sorted(set(jobs), key=str)
+    with multiprocessing.get_context("spawn").Pool(workers) as pool:
+        for msg in pool.imap_unordered(_compile, [j + (DEV,) for j in jobs]):
+            if msg:
+                print(f"compile {msg}", file=sys.stderr, flush=True)
+    print(f"compiled {len(jobs)} kernels", file=sys.stderr, flush=True)
+
+
 def sweep(types: list[int], ms: list[int], only: str, gib: float, out: str | None,
-          hidden: int = 4096, inter: int = 14336, qkv: int = 6144, vocab: int = 49152) -> dict[str, Any]:
+          hidden: int = 4096, inter: int = 14336, qkv: int = 6144, vocab: int = 49152,
+          workers: int = 0) -> dict[str, Any]:
+    mats = {name: v for name, v in shapes(hidden, inter, qkv, vocab).items()
+            if not only or name in only.split(",")}
+    if workers:
+        compile_all([j for n, k, ops in mats.values() for q in types
+                     for j in _launches(n, k, ops, q, ms)], workers)
     res: dict[str, Any] = {"gemv": [], "mm": []}
     gemv_cfgs: dict[str, list[int]] = {}
     mm_cfgs: dict[str, list[int]] = {}
-    for name, (n, k, ops) in shapes(hidden, inter, qkv, vocab).items():
-        if only and name not in only.split(","):
-            continue
+    for name, (n, k, ops) in mats.items():
         for qtype in types:
             tname = T(qtype).name
-            if ms != [0]:
-                for m in ms:
-                    r = sweep_mm(name, n, k, qtype, m, gib)
-                    res["mm"].append(r)
-                    if r["best"]:
-                        mm_cfgs[f"({blocks.m_bucket(m)}, {n}, {k}, T.{tname})"] = r["best"]["config"]
-                    print(json.dumps({key: v for key, v in r.items() if key != "configs"}),
-                          file=sys.stderr, flush=True)
+            for m in [m for m in ms if m]:
+                r = sweep_mm(name, n, k, qtype, m, gib)
+                res["mm"].append(r)
+                if r["best"]:
+                    mm_cfgs[f"({blocks.m_bucket(m)}, {n}, {k}, T.{tname})"] = r["best"]["config"]
+                print(json.dumps({key: v for key, v in r.items() if key != "configs"}),
+                      file=sys.stderr, flush=True)
             r = sweep_gemv(name, n, k, ops, qtype, gib)
             res["gemv"].append(r)
             if r["best"]:
@@ -203,12 +264,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--qkv", type=int, default=6144)
     p.add_argument("--vocab", type=int, default=49152)
     p.add_argument("--out", default=None)
+    p.add_argument("--workers", type=int, default=12, help="processes compiling first (0: none)")
     a = p.parse_args(argv)
     if blocks is None or not torch.cuda.is_available():
         p.error("the sweep needs Triton and a CUDA device")
     types = [int(T[t]) for t in a.types.split(",")]
     res = sweep(types, [int(m) for m in a.m.split(",")], a.only, a.gib, a.out, a.hidden,
-                a.intermediate, a.qkv, a.vocab)
+                a.intermediate, a.qkv, a.vocab, a.workers)
     print(json.dumps({"GEMV_CONFIGS": res["GEMV_CONFIGS"], "MM_CONFIGS": res["MM_CONFIGS"]}))
     return 0
 

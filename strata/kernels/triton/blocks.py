@@ -14,6 +14,10 @@ registers:
   multiply in IEEE fp32), so the product is the dense path's with the weights
   dequantized to that dtype.
 
+Callers that can, `pack` the blocks once at load and pass packed=True: the
+same bytes, with the quants of a row in one aligned run (blocks_decode.py).
+`takes(qtype)` says which types are read (`SUPPORTED`).
+
 Launch shapes come from `GEMV_CONFIGS` / `MM_CONFIGS` (filled from
 `python -m benchmarks.block_sweep` on an H200) or the rules below them.
 """
@@ -53,14 +57,15 @@ GEMV_CONFIGS: dict[tuple[int, int, int], GemvConfig] = {}
 MM_CONFIGS: dict[tuple[int, int, int, int], MmConfig] = {}
 
 
-def default_gemv_config(n: int, k: int, qtype: int) -> GemvConfig:
+def default_gemv_config(n: int, k: int, qtype: int, silu: bool = False) -> GemvConfig:
     """4 warps whose runs of 8 values cover 1,024 values of each part of a row (G * E), 4 rows
-    a program: each thread then reuses its inputs for the 4 rows."""
+    a program (2 gate and 2 up rows with silu, which holds both in registers): each thread
+    then reuses its inputs for all the rows."""
     if (n, k, qtype) in GEMV_CONFIGS:
         return GEMV_CONFIGS[(n, k, qtype)]
     bt = TYPES[qtype]
     per = min(triton.next_power_of_2(k // bt.block), max(1, 1024 // (bt.groups * bt.group)))
-    return 4, per, 4, 1
+    return 2 if silu else 4, per, 4, 1
 
 
 def m_bucket(m: int) -> int:
@@ -115,14 +120,6 @@ def _type_args(qtype: int, nb: int, packed: bool) -> dict:
 
 
 @triton.jit
-def _weights(b, h, rb, g, e, ok, QT: tl.constexpr, GPB: tl.constexpr, E: tl.constexpr,
-             OQ: tl.constexpr, SQ: tl.constexpr, OH: tl.constexpr, SH: tl.constexpr,
-             OSC: tl.constexpr, SSC: tl.constexpr, OD: tl.constexpr, SD: tl.constexpr,
-             OM: tl.constexpr, SM: tl.constexpr):
-    return decode(b, h, rb, g, e, ok, QT, GPB, E, OQ, SQ, OH, SH, OSC, SSC, OD, SD, OM, SM)
-
-
-@triton.jit
 def _inputs(x, nw, inv, g, e, NG: tl.constexpr, dt: tl.constexpr, NORM: tl.constexpr,
             QT: tl.constexpr, BLOCK: tl.constexpr, GPB: tl.constexpr, PARTS: tl.constexpr):
     """The input values at both parts' columns, float32. Groups past the row read the last
@@ -161,9 +158,9 @@ def _gemv_kernel(
     # The first tile is read before anything the previous kernel writes (PDL, as gemv.py).
     if PDL:
         _allow_dependents()
-    w0, w1 = _weights(b, h, rb, g, e, ok, QT, GPB, E, OQ, SQ, OH, SH, OSC, SSC, OD, SD, OM, SM)
+    w0, w1 = decode(b, h, rb, g, e, ok, QT, GPB, E, OQ, SQ, OH, SH, OSC, SSC, OD, SD, OM, SM)
     if SILU:
-        u0, u1 = _weights(b, h, ub, g, e, ok, QT, GPB, E, OQ, SQ, OH, SH, OSC, SSC, OD, SD, OM,
+        u0, u1 = decode(b, h, ub, g, e, ok, QT, GPB, E, OQ, SQ, OH, SH, OSC, SSC, OD, SD, OM,
                           SM)
     if PDL:
         _wait_for_inputs()
@@ -183,14 +180,14 @@ def _gemv_kernel(
     for g0 in range(G, NG, G):
         gt = g0 + g
         okt = gt < NG
-        w0, w1 = _weights(b, h, rb, gt, e, okt, QT, GPB, E, OQ, SQ, OH, SH, OSC, SSC, OD, SD, OM,
+        w0, w1 = decode(b, h, rb, gt, e, okt, QT, GPB, E, OQ, SQ, OH, SH, OSC, SSC, OD, SD, OM,
                           SM)
         x0, x1 = _inputs(x, nw, inv if NORM else eps, gt, e, NG, dt, NORM, QT, BLOCK, GPB, PARTS)
         acc += w0 * x0
         if PARTS == 2:
             acc += w1 * x1
         if SILU:
-            u0, u1 = _weights(b, h, ub, gt, e, okt, QT, GPB, E, OQ, SQ, OH, SH, OSC, SSC, OD, SD,
+            u0, u1 = decode(b, h, ub, gt, e, okt, QT, GPB, E, OQ, SQ, OH, SH, OSC, SSC, OD, SD,
                               OM, SM)
             acc2 += u0 * x0
             if PARTS == 2:
@@ -225,7 +222,7 @@ def _mm_kernel(
     dt = x.dtype.element_ty
     acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
     for g0 in range(0, NG, G):
-        w0, w1 = _weights(b, h, rb, g0 + g, e, g0 + g < NG, QT, GPB, E, OQ, SQ, OH, SH, OSC, SSC,
+        w0, w1 = decode(b, h, rb, g0 + g, e, g0 + g < NG, QT, GPB, E, OQ, SQ, OH, SH, OSC, SSC,
                           OD, SD, OM, SM)
         gc = tl.minimum(g0 + gf, NG - 1)  # as in _inputs
         xt = tl.load(x + xr + column(gc, ef, 0, QT, BLOCK, GPB)[None, :])
@@ -255,8 +252,9 @@ def block_gemv(
 ) -> torch.Tensor:
     """[1, K] x W[N, K]^T -> [1, N] (silu: [1, N/2]) for W in GGUF blocks, folds as gemv.gemv.
 
-    blocks: uint8 [N, K / block * type size], row n the file's bytes of weight row n (or
-        `pack(blocks, qtype)` with packed=True); qtype a gguf.GGMLQuantizationType value.
+    blocks: uint8 [N, K / block * type size], row n the file's bytes of weight row n, or
+        `pack(blocks, qtype)` of them with packed=True; qtype a gguf.GGMLQuantizationType
+        value (`takes`). Each weight is ggml's float32 value, multiplied in float32.
     norm_weight: the input row is `rms_norm(x, norm_weight, eps)` first.
     silu: blocks hold gate rows then up rows; the result is silu(gate) * up.
     residual: [1, N] added to the rounded product.
@@ -276,7 +274,7 @@ def block_gemv(
                                  or not residual.is_contiguous()):
         raise ValueError(f"block_gemv: residual {tuple(residual.shape)} {residual.dtype} "
                          f"for {n} outputs of {x.dtype}")
-    bn, per, warps, stages = config if config is not None else default_gemv_config(n, k, qtype)
+    bn, per, warps, stages = config or default_gemv_config(n, k, qtype, silu)
     out = torch.empty((1, n), dtype=out_dtype or x.dtype, device=x.device)
     pdl = x.is_cuda and pdl_on(x.device.index if x.device.index is not None else 0)
     _gemv_kernel[(triton.cdiv(n, bn),)](
@@ -306,7 +304,9 @@ def block_mm(
     nb = _check(x, blocks, qtype, "block_mm", one_row=False)
     m, k = x.shape
     n = blocks.shape[0]
-    bm, bn, per, warps, stages = config if config is not None else default_mm_config(m, n, k, qtype)
+    bm, bn, per, warps, stages = config or default_mm_config(m, n, k, qtype)
+    if config is None and x.dtype == torch.float32:
+        stages = 1  # float32 tiles take twice the shared memory
     out = torch.empty((m, n), dtype=out_dtype or x.dtype, device=x.device)
     _mm_kernel[(triton.cdiv(m, bm), triton.cdiv(n, bn))](
         x, blocks, blocks.view(torch.float16), out, m, n, K=k, **_type_args(qtype, nb, packed),

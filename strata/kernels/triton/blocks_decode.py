@@ -19,10 +19,12 @@ then one multiply and at most one add. Each product of a scale and a quant
 is exact in float32 (at most 11 + 7 + 5 significant bits), so a fused
 multiply-add rounds exactly as ggml's multiply then add.
 
-A tile is seen as scale groups [rows, G, E] and two parts, lo and hi (the low
-and high nibbles of the same bytes; Q8_0 has one): group g, element e of a
-part reads byte `g * E + e` of the quants plane, its scale from group g, and
-stands for column `column(g, e, hi)` of the row.
+A tile is seen as scale groups of E values and two parts, lo and hi (the low
+and high nibbles of the same bytes; Q8_0 has one): element e of group g of a
+part reads byte `g * E + e` of the row's quants, its scale from group g, and
+stands for column `column(g, e, hi)` of the row. The kernels lay rows, groups
+and elements over the dimensions of their tiles as they like; the decoders
+only broadcast.
 """
 
 from __future__ import annotations
