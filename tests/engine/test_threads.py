@@ -266,6 +266,16 @@ def test_stats_show_the_threads(tiny_loaded) -> None:
     assert s["cpu_thread_switches"] == 0
 
 
+def test_metrics_show_the_threads_gauge_and_switch_counters() -> None:
+    from strata.serve.metrics import ServeMetrics
+
+    figures = CpuThreads(Cores(2, None), None, lambda n: None).figures()
+    text = ServeMetrics(lambda: figures).render().decode()
+    assert "# TYPE strata_engine_cpu_threads gauge" in text and "strata_engine_cpu_threads 2.0" in text
+    assert "# TYPE strata_engine_cpu_thread_switches_total counter" in text
+    assert "strata_engine_cpu_thread_probes_total 0.0" in text
+
+
 @pytest.mark.slow
 def test_default_model_switching_threads_changes_no_token() -> None:
     """The shipped model (int4 projections, the C++ kernels) under a count that keeps changing."""
