@@ -3,11 +3,13 @@ when the count changes in the middle of a generation."""
 
 from __future__ import annotations
 
+import argparse
+import logging
 from pathlib import Path
 
 import pytest
 
-from strata.engine.config import EngineConfig
+from strata.engine.config import EngineConfig, add_engine_arguments, config_from_args
 from strata.engine.engine import Engine
 from strata.engine.threads import (
     Cores,
@@ -15,6 +17,7 @@ from strata.engine.threads import (
     GovernorSettings,
     ThreadGovernor,
     cgroup_quota,
+    find_cores,
     ladder,
     parse_cpu_max,
     parse_threads,
@@ -82,6 +85,16 @@ def test_threads_flag() -> None:
     for bad in ("0", "-2", "many"):
         with pytest.raises(ValueError):
             parse_threads(bad)
+
+
+def test_threads_flag_on_the_command_line() -> None:
+    ap = argparse.ArgumentParser()
+    add_engine_arguments(ap)
+    assert config_from_args(ap.parse_args([])).threads is None
+    assert config_from_args(ap.parse_args(["--threads", "auto"])).threads is None
+    assert config_from_args(ap.parse_args(["-t", "3"])).threads == 3
+    with pytest.raises(SystemExit):
+        ap.parse_args(["--threads", "0"])
 
 
 def test_ladder() -> None:
@@ -259,11 +272,19 @@ def test_switching_threads_mid_generation_changes_no_token(tiny_loaded) -> None:
     assert alone[0] == fixed[0]
 
 
-def test_stats_show_the_threads(tiny_loaded) -> None:
-    with Engine(EngineConfig(max_context=64, threads=1), loaded=tiny_loaded) as eng:
-        s = eng.stats()
+def test_stats_and_start_up_line_show_the_threads(tiny_loaded, caplog) -> None:
+    with caplog.at_level(logging.INFO, logger="strata.engine"):
+        with Engine(EngineConfig(max_context=64, threads=1), loaded=tiny_loaded) as eng:
+            s = eng.stats()
     assert s["cpu_threads"] == 1 and s["cpu_threads_max"] == 1 and s["cpu_threads_governed"] is False
     assert s["cpu_thread_switches"] == 0
+    line = next(r.getMessage() for r in caplog.records if r.getMessage().startswith("CPU: "))
+    assert "in the affinity mask" in line and "threads 1 (--threads)" in line
+    cores = find_cores()
+    with Engine(EngineConfig(max_context=64), loaded=tiny_loaded) as eng:
+        s = eng.stats()
+    assert s["cpu_threads_max"] == cores.threads
+    assert s["cpu_threads_governed"] is (cores.threads > 1)
 
 
 def test_metrics_show_the_threads_gauge_and_switch_counters() -> None:
