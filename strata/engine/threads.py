@@ -228,10 +228,6 @@ class ThreadGovernor:
         if len(recent) >= self.s.probe_steps and self._probe_due(recent, rows):
             self._start_probe(rows)
 
-    def figures(self) -> dict[str, Any]:
-        return {"threads": self.threads, "chosen": self.current, "switches": self.switches,
-                "probes": self.probes, "probing": self.trying is not None}
-
     # ---- inside -------------------------------------------------------------
     def _probe_due(self, recent: Iterable[float], rows: int) -> bool:
         now = self.clock()
