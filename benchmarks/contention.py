@@ -116,6 +116,7 @@ def main() -> int:
                         before = round(os.getloadavg()[0], 2)
                         figures = strata_run(engines[t], args, salt=100 * r + 7)
                         figures["loadavg_1min_before"] = before
+                        print(f"{kind} --threads {t}: {figures}", file=sys.stderr, flush=True)
                         runs.setdefault((kind, t), []).append(figures)
     finally:
         for engine in engines.values():
