@@ -159,7 +159,7 @@ class GovernorSettings:
     probe_steps: int = 4  # measured steps at the other count (after `warmup_steps`)
     warmup_steps: int = 1  # steps after a change of count that are not measured
     margin: float = 0.15  # the lower count is kept only when this much faster than the higher
-    lose_factor: float = 2.5  # one probe step this much slower than the baseline ends the probe
+    lose_factor: float = 2.5  # a probe at more threads ends at one step this much slower
     trigger: float = 1.5  # recent steps this much slower than at the last decision: probe now,
     trigger_gap_s: float = 0.25  # if the last probe began this long ago
     max_probe_steps: int = 64  # a probe that cannot collect its steps (other shapes) gives up
@@ -259,8 +259,9 @@ class ThreadGovernor:
         if rows == self._probe_rows:
             self._probe.append(seconds)
         base = median(self._baseline[self._probe_rows])
-        if rows == self._probe_rows and seconds > self.s.lose_factor * base:
-            self._decide(won=False)
+        upward = self.trying is not None and self.trying > self.current
+        if upward and rows == self._probe_rows and seconds > self.s.lose_factor * base:
+            self._decide(won=False)  # more threads collapsing: stop paying for the probe now
         elif len(self._probe) >= self.s.probe_steps:
             self._decide(won=self._faster(median(self._probe), base))
         elif self._probe_seen >= self.s.max_probe_steps:

@@ -161,6 +161,19 @@ def test_starting_under_contention_switches_within_a_few_steps() -> None:
     assert used[-10:] == [1] * 10
 
 
+def test_one_slow_step_does_not_decide_a_probe_at_fewer_threads() -> None:
+    clock = Clock()
+    gov = ThreadGovernor(2, clock)
+    at_one = 0
+    for _ in range(40):
+        n = gov.threads
+        at_one += n == 1
+        cost = 0.5 if n == 1 and at_one == 2 else BUSY[n]  # the first measured probe step: a hiccup
+        clock.t += cost
+        gov.record(cost, 1)
+    assert gov.current == 1 and gov.switches == 1 and gov.probes == 1
+
+
 def test_a_lower_count_must_be_clearly_faster() -> None:
     """Within the margin, the higher count stays; just beyond it, the lower one wins, and stays."""
     clock = Clock()
