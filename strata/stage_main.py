@@ -28,10 +28,10 @@ def add_stage_arguments(parser: argparse.ArgumentParser) -> None:
                    help="as the main's --weights (the model identity includes it)")
     g.add_argument("--kv-resident", type=int, default=None,
                    help="stream this worker's K/V: this many cells per layer on the device")
-    g.add_argument("--threads", "-t", type=int, default=None, help="CPU threads for torch")
     g.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
-    from strata.engine.config import EngineConfig, add_stage_link_arguments
+    from strata.engine.config import EngineConfig, add_stage_link_arguments, add_threads_argument
 
+    add_threads_argument(g, governed=False)
     add_stage_link_arguments(g, EngineConfig())
 
 
@@ -40,8 +40,11 @@ def run_stage(args: argparse.Namespace) -> int:
     import torch
 
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    if args.threads:
-        torch.set_num_threads(args.threads)
+    from strata.engine.threads import find_cores
+
+    cores = find_cores()
+    torch.set_num_threads(args.threads or cores.threads)
+    logging.getLogger("strata.stage").info("CPU: %s; threads %d", cores.describe(), torch.get_num_threads())
     if args.stage_key_file is None:
         raise StrataError("--stage-key-file is required (the key the main also reads)")
     listen = args.listen if ":" in args.listen else f"127.0.0.1:{args.listen}"

@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 from dataclasses import dataclass, fields
 
+from strata.engine.threads import parse_threads
 from strata.errors import BadRequest
 from strata.models.loader import resolve_device
 from strata.models.quantize import WEIGHT_MODES
@@ -32,7 +33,8 @@ class EngineConfig:
     conversation_cache_mib: int = 0  # host RAM for parked conversations; 0 = off
     conversation_cache_slots: int = 8
     session_dir: str | None = None  # where session files may live; None = session files off
-    threads: int | None = None  # CPU threads for torch; None = torch's default
+    threads: int | None = None  # CPU threads for torch and the C++ kernels; None (--threads auto):
+    # the cores this process gets (engine/threads.py), fewer on the CPU while fewer run faster
     seed: int = 0  # base seed for sampling without a per-request seed
     prefix_reuse: bool = True  # reuse cached conversations' K/V (off: every prompt read from 0)
     pipeline: str = "auto"  # launch the next greedy decode step before post-processing this one:
@@ -134,7 +136,7 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--conversation-cache-slots", type=int, default=d.conversation_cache_slots,
                    help="most parked conversations")
     g.add_argument("--session-dir", default=d.session_dir, help="folder for session files")
-    g.add_argument("--threads", "-t", type=int, default=d.threads, help="CPU threads for torch")
+    add_threads_argument(g)
     g.add_argument("--seed", type=int, default=d.seed, help="base seed for sampling")
     g.add_argument("--no-prefix-reuse", dest="prefix_reuse", action="store_false",
                    help="read every prompt from token 0 (no cached or parked K/V is reused)")
@@ -156,6 +158,22 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
                    help="keep up to N conversations between turns (sets --conversation-cache-slots; "
                         "with --remote-stage each worker keeps its layers' part under an id, so only "
                         "ids cross the link)")
+
+
+def add_threads_argument(g: argparse._ArgumentGroup, governed: bool = True) -> None:
+    """--threads; `strata stage` takes it too, without the governor."""
+    fewer = ", and on a CPU device runs fewer while fewer decode faster (other processes on the cores)"
+    g.add_argument("--threads", "-t", type=threads_arg, default=None, metavar="auto|N",
+                   help="CPU threads for torch and the C++ kernels: N forces N; auto (default) takes "
+                        "the CPUs of the affinity mask, at most the cgroup's CPU quota"
+                        + (fewer if governed else ""))
+
+
+def threads_arg(text: str) -> int | None:
+    try:
+        return parse_threads(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
 
 
 def add_stage_link_arguments(g: argparse._ArgumentGroup, d: EngineConfig) -> None:

@@ -30,6 +30,7 @@ from strata.engine.scheduler import Lane, Scheduler, Step
 from strata.engine.sessions import SessionFiles, SessionResult
 from strata.engine.stats import describe_memory, memory_figures, pool_and_lane_figures
 from strata.engine.stop import StopMatcher
+from strata.engine.threads import CpuThreads, find_cores
 from strata.engine.types import FinishReason, PromptProgress, SamplingParams, StreamEvent
 from strata.errors import (
     BadRequest,
@@ -63,6 +64,8 @@ class Engine:
         self.config = config
         if config.parallel < 1:
             raise BadRequest(f"--parallel must be at least 1, got {config.parallel}", "parallel")
+        if config.threads is not None and config.threads < 1:
+            raise BadRequest(f"--threads must be at least 1, got {config.threads}", "threads")
         self._inbox: deque[Request] = deque()
         self._calls: deque[tuple[Callable[[], Any], Future]] = deque()
         self._lock = threading.Lock()
@@ -89,8 +92,7 @@ class Engine:
 
     def _setup(self, loaded: Any) -> None:
         config = self.config
-        if config.threads:
-            torch.set_num_threads(config.threads)
+        self.cpu_threads = CpuThreads(find_cores(), config.threads, torch.set_num_threads)
         split = split_of(config)
         if split is not None and loaded is not None:
             raise BadRequest("a layer split loads the model itself: pass no loaded model", "gpus")
@@ -122,6 +124,9 @@ class Engine:
         else:  # K/V in (pinned) host RAM with --kv-resident, N cells per layer on the device
             self.pool = part_on(shape, range(mc.num_layers), self.device, None)
             self.runner = Runner(self.loaded.model, self.pool, mc.attn_scale, self.device)
+            if self.device.type == "cpu":  # a step's time is its threads' work: the governor can judge
+                self.cpu_threads.govern()
+        log.info("%s", self.cpu_threads.describe())
         log.info("%s", describe_pool(config.parallel, self.pool.num_chunks, chunk, self.pool.total_bytes(),
                                      fmt.name, self.pool.shared))
         log.info("%s", describe_memory(memory_figures(self.loaded, self.pool)))
@@ -222,7 +227,7 @@ class Engine:
             conversation_cache=(self.conversations.stats().as_dict()
                                 if self.conversations is not None else None),
             stages=self.runner.describe_stages(), knobs=knob_values(),
-            **memory_figures(self.loaded, self.pool))
+            **memory_figures(self.loaded, self.pool), **self.cpu_threads.figures())
         return figures
 
     def close(self) -> None:
@@ -296,8 +301,10 @@ class Engine:
         """Run a step's forward; a greedy decode step also gets its tokens, left on the device."""
         try:
             masks = self.masks.start(step)  # before the forward: the two overlap
+            started = self.cpu_threads.clock()
             launched = Launched(step, [lane.request for lane in step.lanes], forward(), masks=masks)
             launched.take_greedy_ids()
+            self.cpu_threads.step_done(started, step.seqs)  # may set the next step's thread count
             self.steps += 1
             return launched
         except Exception as e:  # fail this step's requests; the engine keeps serving

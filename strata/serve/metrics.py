@@ -25,7 +25,7 @@ MONOTONIC_KEYS = {
     "prefix_reuse_hits", "prefix_tokens_reused", "refusals", "truncations", "evictions", "moves", "steps",
     "pipelined_steps", "grammar_rows", "grammar_wait_s", "grammar_mask_s",
     "step_errors", "conversation_parks", "conversation_restores", "conversation_tokens_restored",
-    "restore_misses",
+    "restore_misses", "cpu_thread_switches", "cpu_thread_probes",
 }
 # The label used when a figure is a dict: chunks per session are keyed by lane.
 DICT_LABELS = {"chunks_per_session": "lane", "tokens_per_session": "lane", "refusals": "reason",
