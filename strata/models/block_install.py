@@ -74,8 +74,8 @@ def install_blocks(model: nn.Module, source: BlockSource, parts_of: Callable[[st
             owner = getattr(layer, owner_name)
             lin = getattr(owner, name)
             segs = segments(f"layers.{i}.{owner_name}.{name}.weight", lin.weight.shape[0], device)
-            if segs is not None:
-                setattr(owner, name, BlockLinear(segs, lin.in_features, lin.bias))
+            if segs is not None:  # CUDA kernels read packed planes (`kernels/triton/blocks_decode.py`)
+                setattr(owner, name, BlockLinear(segs, lin.in_features, lin.bias, packed=device.type == "cuda"))
     device = placement.device_of("embed_tokens.weight")
     if device is not None:
         emb = model.embed_tokens
@@ -88,7 +88,7 @@ def install_blocks(model: nn.Module, source: BlockSource, parts_of: Callable[[st
         elif model.lm_head is not None:
             segs = segments("lm_head.weight", model.lm_head.weight.shape[0], device)
             if segs is not None:
-                model.lm_head = BlockLinear(segs, model.lm_head.in_features)
+                model.lm_head = BlockLinear(segs, model.lm_head.in_features, packed=device.type == "cuda")
     for name, count in sorted(dense.items()):
         block, size = GGML_QUANT_SIZES[GGMLQuantizationType[name]]
         grow = torch.finfo(dtype).bits / 8 * block / size

@@ -70,10 +70,12 @@ class BlockLinear(nn.Module):
 
     `segments`: (block type, uint8 [rows, row_bytes]) in output order, on the
     device that computes. Results are in x's dtype, float32-accumulated.
+    `packed`: hold each segment in `kernels/triton/blocks_decode.py: pack`'s planes (the same
+    bytes grouped by field, so the CUDA kernels load them as aligned vectors).
     """
 
     def __init__(self, segments: Sequence[tuple[GGMLQuantizationType, torch.Tensor]], in_features: int,
-                 bias: torch.Tensor | None = None) -> None:
+                 bias: torch.Tensor | None = None, packed: bool = False) -> None:
         super().__init__()
         merged: list[tuple[GGMLQuantizationType, list[torch.Tensor]]] = []
         for qtype, blocks in segments:
@@ -85,8 +87,14 @@ class BlockLinear(nn.Module):
                 merged.append((qtype, [blocks]))
         self.qtypes = tuple(q for q, _ in merged)
         self.rows = tuple(sum(int(b.shape[0]) for b in parts) for _, parts in merged)
-        for i, (_, parts) in enumerate(merged):
+        if packed and triton_blocks is None:
+            raise ValueError("packed blocks are read by the Triton kernels, and Triton is not installed")
+        self.packed = packed
+        for i, (qtype, parts) in enumerate(merged):
             data = parts[0] if len(parts) == 1 else torch.cat(parts)
+            if packed:
+                assert triton_blocks is not None
+                data = triton_blocks.pack(data, int(qtype))
             self.register_buffer(f"blocks{i}", data.contiguous())
         self.bias = None if bias is None else nn.Parameter(bias, requires_grad=False)
         self.in_features = in_features
@@ -101,13 +109,18 @@ class BlockLinear(nn.Module):
 
     def dense(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         """The weight [out, in] decoded (tests and comparisons; never kept)."""
-        return torch.cat([dequantize(b.reshape(-1), q, (b.shape[0], self.in_features), dtype)
-                          for q, b in self.segments()])
+        out = []
+        for q, b in self.segments():
+            if self.packed:
+                assert triton_blocks is not None
+                b = triton_blocks.unpack(b, int(q))
+            out.append(dequantize(b.reshape(-1), q, (b.shape[0], self.in_features), dtype))
+        return torch.cat(out)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
         x2 = x.reshape(-1, shape[-1]).contiguous()
-        parts = [_product(x2, q, b) for q, b in self.segments()]
+        parts = [_product(x2, q, b, self.packed) for q, b in self.segments()]
         y = parts[0] if len(parts) == 1 else torch.cat(parts, dim=-1)
         if self.bias is not None:
             y = y + self.bias
@@ -120,7 +133,8 @@ class BlockLinear(nn.Module):
             return self.row(x, out_dtype=torch.float32)
         if x.is_cuda:
             assert triton_blocks is not None
-            parts = [triton_blocks.block_mm(x, b, int(q), out_dtype=torch.float32) for q, b in self.segments()]
+            parts = [triton_blocks.block_mm(x, b, int(q), out_dtype=torch.float32, packed=self.packed)
+                     for q, b in self.segments()]
             return parts[0] if len(parts) == 1 else torch.cat(parts, dim=-1)
         return self.forward(x.float())  # the CPU kernels: x converted exactly, float32 out
 
@@ -139,17 +153,17 @@ class BlockLinear(nn.Module):
         if len(segs) == 1:
             q, b = segs[0]
             return g.block_gemv(x, b, int(q), norm_weight=norm_weight, eps=eps, silu=silu, residual=residual,
-                                out_dtype=out_dtype)
+                                out_dtype=out_dtype, packed=self.packed)
         # several types: each segment normalises the row itself; SwiGLU and the residual after
-        parts = [g.block_gemv(x, b, int(q), norm_weight=norm_weight, eps=eps, out_dtype=out_dtype)
-                 for q, b in segs]
+        parts = [g.block_gemv(x, b, int(q), norm_weight=norm_weight, eps=eps, out_dtype=out_dtype,
+                              packed=self.packed) for q, b in segs]
         y = torch.cat(parts, dim=-1)
         if silu:
             y = ops.silu_mul(y)
         return y if residual is None else residual + y
 
 
-def _product(x: torch.Tensor, qtype: GGMLQuantizationType, blocks: torch.Tensor) -> torch.Tensor:
+def _product(x: torch.Tensor, qtype: GGMLQuantizationType, blocks: torch.Tensor, packed: bool) -> torch.Tensor:
     """x [M, K] times one segment's rows, on the blocks' device."""
     if blocks.device.type == "cpu":
         k = cpu_kernel()
@@ -158,8 +172,8 @@ def _product(x: torch.Tensor, qtype: GGMLQuantizationType, blocks: torch.Tensor)
     g: ModuleType | None = triton_blocks
     assert g is not None, "block weights on CUDA need Triton"
     if x.shape[0] == 1:
-        return g.block_gemv(x, blocks, int(qtype))
-    return g.block_mm(x, blocks, int(qtype))
+        return g.block_gemv(x, blocks, int(qtype), packed=packed)
+    return g.block_mm(x, blocks, int(qtype), packed=packed)
 
 
 class BlockEmbedding(nn.Module):

@@ -157,6 +157,8 @@ def test_pack_keeps_the_bytes(qtype: int) -> None:
     assert p.shape == b.shape and p.dtype == torch.uint8
     assert torch.equal(p.sort(dim=1).values, b.sort(dim=1).values)
     assert torch.equal(blocks.pack(b[2:4], qtype), p[2:4])
+    assert torch.equal(blocks.unpack(p, qtype), b)  # the file's bytes back, in place
+    assert not torch.equal(p, b)  # packing moved them (the check above can fail)
 
 
 def test_what_it_does_not_take() -> None:

@@ -36,6 +36,7 @@ from strata.kernels.triton.blocks_decode import (
     layout,
     pack,
     takes,
+    unpack,
 )
 from strata.kernels.triton.gemv import (
     DTYPES,
@@ -47,7 +48,7 @@ from strata.kernels.triton.gemv import (
 )
 from strata.kernels.triton.numerics import exp
 
-__all__ = ["SUPPORTED", "block_gemv", "block_mm", "pack", "takes"]
+__all__ = ["SUPPORTED", "block_gemv", "block_mm", "pack", "takes", "unpack"]
 
 GemvConfig = tuple[int, int, int, int]  # (BLOCK_N rows, blocks per tile, num_warps, num_stages)
 MmConfig = tuple[int, int, int, int, int]  # (BLOCK_M, BLOCK_N, blocks per tile, warps, stages)

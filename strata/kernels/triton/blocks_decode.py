@@ -106,6 +106,20 @@ def pack(blocks: torch.Tensor, qtype: int) -> torch.Tensor:
     return torch.cat(planes, dim=1)
 
 
+
+def unpack(packed: torch.Tensor, qtype: int) -> torch.Tensor:
+    """The file's block layout back from `pack`'s planes (the inverse, byte for byte)."""
+    bt = TYPES[qtype]
+    n = packed.shape[0]
+    nb = packed.shape[1] // bt.size
+    out = torch.empty((n, nb, bt.size), dtype=torch.uint8, device=packed.device)
+    at = 0
+    for r in _plane_order(bt):
+        a, b = bt.fields[r]
+        out[:, :, a:b] = packed[:, at : at + nb * (b - a)].reshape(n, nb, b - a)
+        at += nb * (b - a)
+    return out.reshape(n, -1)
+
 @triton.jit
 def _f32(u, bias: tl.constexpr):
     """u - bias in float32 for ints 0 <= u < 2**23, exact: 2**23 + u has u in its low bits."""
