@@ -144,3 +144,22 @@ def test_a_failed_build_falls_back_to_torch_with_one_warning(monkeypatch, caplog
         assert out.shape == (3, 4, 16) and torch.isfinite(out.float()).all()
     finally:
         cpu_kernel.cache_clear()
+
+
+def test_a_stale_build_lock_is_removed_and_a_fresh_one_kept(tmp_path) -> None:
+    """A build killed mid-way leaves torch's lock file, on which every later start would wait
+    forever; a lock older than any build is removed, a recent one (a build in progress) kept."""
+    import os
+    import time
+
+    from strata.kernels.cpu.loader import STALE_LOCK_S, _drop_stale_lock
+
+    old, new = tmp_path / "old", tmp_path / "new"
+    old.touch()
+    new.touch()
+    then = time.time() - STALE_LOCK_S - 60
+    os.utime(old, (then, then))
+    _drop_stale_lock(old)
+    _drop_stale_lock(new)
+    _drop_stale_lock(tmp_path / "missing")  # nothing there: nothing to do
+    assert not old.exists() and new.exists()

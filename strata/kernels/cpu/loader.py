@@ -21,6 +21,7 @@ import os
 import platform
 import shutil
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -57,6 +58,22 @@ def _machine_tag() -> str:
     return h[:12]
 
 
+STALE_LOCK_S = 1800  # a build holds its lock for minutes; one left older than this was killed
+
+
+def _drop_stale_lock(lock: Path) -> None:
+    """torch waits forever on the lock file of a build that was killed (Ctrl-C during the first
+    compile): every later start would hang. One older than any build is removed, loudly."""
+    try:
+        age = time.time() - lock.stat().st_mtime
+    except OSError:
+        return
+    if age > STALE_LOCK_S:
+        log.warning("removing the lock of a CPU kernel build that was interrupted %.0f minutes ago (%s)",
+                    age / 60, lock)
+        lock.unlink(missing_ok=True)
+
+
 @functools.lru_cache(maxsize=1)
 def cpu_kernel() -> Any | None:
     """The loaded extension module, or None when it is turned off or cannot be built."""
@@ -71,6 +88,7 @@ def cpu_kernel() -> Any | None:
             os.environ["PATH"] = ninja.BIN_DIR + os.pathsep + os.environ.get("PATH", "")
         name = f"strata_cpu_kernels_{_machine_tag()}"
         build = Path(cpp_extension._get_build_directory(name, verbose=False))
+        _drop_stale_lock(build / "lock")
         if not (build / f"{name}.so").exists():
             print("strata: compiling the CPU kernels (once per machine, about a minute)",
                   file=sys.stderr, flush=True)
