@@ -40,10 +40,15 @@ class Placed(Protocol):
     def device_of(self, param_name: str) -> torch.device | None: ...
 
 
+def ffn_types(source: BlockSource) -> list[GGMLQuantizationType]:
+    """The stored types of a GGUF file's feed-forward weights (what `auto` decides by)."""
+    return [source.block_type(n) for n in source.names() if ".ffn_" in n and n.endswith(".weight")]
+
+
 def blocks_fit(source: BlockSource, device: torch.device) -> bool:
     """Whether most of a file's feed-forward weights are blocks that `device`'s kernels take
     (what `--weights auto` keeps as blocks)."""
-    kinds = [source.block_type(n) for n in source.names() if ".ffn_" in n and n.endswith(".weight")]
+    kinds = ffn_types(source)
     return bool(kinds) and sum(kernel_takes(device, k) for k in kinds) * 2 > len(kinds)
 
 

@@ -27,7 +27,7 @@ from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 from torch import nn
 
 from strata.gguf.dequant import dequantize
-from strata.kernels.cpu.loader import cpu_kernel
+from strata.kernels.cpu.loader import BLOCK_TYPES, cpu_kernel
 from strata.models import ops
 
 try:  # the CPU machines and CI have no Triton
@@ -38,20 +38,12 @@ except ImportError:
 FLOAT_TYPES = frozenset({GGMLQuantizationType.F32, GGMLQuantizationType.F16, GGMLQuantizationType.BF16})
 
 
-def cpu_block_types() -> frozenset[int]:
-    """Block types the C++ kernels multiply (empty when they are not built)."""
-    k = cpu_kernel()
-    if k is None or not hasattr(k, "block_types"):
-        return frozenset()
-    return frozenset(int(t) for t in k.block_types())
-
-
 def kernel_takes(device: torch.device, qtype: GGMLQuantizationType) -> bool:
     """Whether `device`'s block kernels compute with `qtype` blocks in place."""
     if qtype in FLOAT_TYPES:
         return False
     if device.type == "cpu":
-        return int(qtype) in cpu_block_types()
+        return int(qtype) in BLOCK_TYPES and cpu_kernel() is not None
     if device.type == "cuda":
         return triton_blocks is not None and triton_blocks.takes(int(qtype))
     return False
@@ -117,26 +109,26 @@ class BlockLinear(nn.Module):
             out.append(dequantize(b.reshape(-1), q, (b.shape[0], self.in_features), dtype))
         return torch.cat(out)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, out_dtype: torch.dtype | None = None) -> torch.Tensor:
+        """out_dtype: the products stored in another dtype (float32 logits), without a rounding
+        to x's dtype first where the kernel allows (the CPU kernel computes float32 x instead:
+        bf16 and fp16 convert to it exactly)."""
         shape = x.shape
         x2 = x.reshape(-1, shape[-1]).contiguous()
-        parts = [_product(x2, q, b, self.packed) for q, b in self.segments()]
+        if out_dtype is not None and x2.device.type == "cpu":
+            x2 = x2.to(out_dtype)
+        parts = [_product(x2, q, b, self.packed, out_dtype) for q, b in self.segments()]
         y = parts[0] if len(parts) == 1 else torch.cat(parts, dim=-1)
         if self.bias is not None:
             y = y + self.bias
         return y.reshape(*shape[:-1], self.out_features)
 
     def logits(self, x: torch.Tensor) -> torch.Tensor:
-        """float32 products, never rounded to x's dtype: bf16 logits tie (at 25, one bf16 step is
+        """float32 products, never rounded to bf16: bf16 logits tie (at 25, one bf16 step is
         0.125) where float32 ones are apart."""
         if self.takes_row(x):
             return self.row(x, out_dtype=torch.float32)
-        if x.is_cuda:
-            assert triton_blocks is not None
-            parts = [triton_blocks.block_mm(x, b, int(q), out_dtype=torch.float32, packed=self.packed)
-                     for q, b in self.segments()]
-            return parts[0] if len(parts) == 1 else torch.cat(parts, dim=-1)
-        return self.forward(x.float())  # the CPU kernels: x converted exactly, float32 out
+        return self.forward(x, out_dtype=torch.float32)
 
     def takes_row(self, x: torch.Tensor) -> bool:
         """Whether one CUDA row can take the folded one-row kernels (`row`)."""
@@ -163,7 +155,8 @@ class BlockLinear(nn.Module):
         return y if residual is None else residual + y
 
 
-def _product(x: torch.Tensor, qtype: GGMLQuantizationType, blocks: torch.Tensor, packed: bool) -> torch.Tensor:
+def _product(x: torch.Tensor, qtype: GGMLQuantizationType, blocks: torch.Tensor, packed: bool,
+             out_dtype: torch.dtype | None) -> torch.Tensor:
     """x [M, K] times one segment's rows, on the blocks' device."""
     if blocks.device.type == "cpu":
         k = cpu_kernel()
@@ -172,8 +165,8 @@ def _product(x: torch.Tensor, qtype: GGMLQuantizationType, blocks: torch.Tensor,
     g: ModuleType | None = triton_blocks
     assert g is not None, "block weights on CUDA need Triton"
     if x.shape[0] == 1:
-        return g.block_gemv(x, blocks, int(qtype), packed=packed)
-    return g.block_mm(x, blocks, int(qtype), packed=packed)
+        return g.block_gemv(x, blocks, int(qtype), out_dtype=out_dtype, packed=packed)
+    return g.block_mm(x, blocks, int(qtype), out_dtype=out_dtype, packed=packed)
 
 
 class BlockEmbedding(nn.Module):

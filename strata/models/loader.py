@@ -22,10 +22,10 @@ from strata.default_model import default_model_path
 from strata.errors import ModelLoadError
 from strata.models.architecture import Architecture
 from strata.models.base import ModelConfig
+from strata.models.block_install import blocks_fit, ffn_types, install_blocks
 from strata.models.config import config_from_gguf, config_from_hf, gguf_architecture
 from strata.models.layers import DecoderModel
 from strata.models.naming import Part, gguf_parts, hf_parts
-from strata.models.block_install import blocks_fit, install_blocks
 from strata.models.quantize import quantize_weights, resolve_weight_mode
 from strata.models.sources import GGUFSource, SafetensorsSource, WeightSource
 from strata.tokenizer import Tokenizer
@@ -168,11 +168,10 @@ FOUR_BIT = {"Q4_0", "Q4_1", "Q4_K"}
 
 def _four_bit(source: WeightSource) -> bool:
     """Whether most of a GGUF file's feed-forward weights are stored with 4 bits."""
-    tensors = getattr(getattr(source, "file", None), "tensors", None)
-    if not tensors:
+    if not isinstance(source, GGUFSource):
         return False
-    kinds = [t.type_name for name, t in tensors.items() if ".ffn_" in name and name.endswith(".weight")]
-    return bool(kinds) and sum(k in FOUR_BIT for k in kinds) * 2 > len(kinds)
+    kinds = ffn_types(source)
+    return bool(kinds) and sum(k.name in FOUR_BIT for k in kinds) * 2 > len(kinds)
 
 
 def _open_folder(p: Path) -> Opened:

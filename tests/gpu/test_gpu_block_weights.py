@@ -17,6 +17,7 @@ import torch
 if not torch.cuda.is_available():
     pytest.skip("needs a CUDA device", allow_module_level=True)
 
+from benchmarks.engine_runs import eager_steps
 from strata.engine.config import EngineConfig
 from strata.engine.engine import Engine
 from strata.engine.types import SamplingParams
@@ -88,12 +89,8 @@ def test_graph_decode_equals_eager(files: dict[str, Path]) -> None:
     loaded = load_model(str(files["Q4_K_M"]), device="cuda", dtype="bfloat16", weights="gguf", progress=False)
     prompt = list(range(300, 330))
     with Engine(EngineConfig(max_context=512), loaded=loaded) as e:
-        graphs = e.runner.graphs
-        assert graphs is not None
+        assert e.runner.graphs is not None
         with_graphs = e.complete(prompt, SamplingParams(max_tokens=32, temperature=0.0)).token_ids
-        e.runner.graphs = None
-        try:
+        with eager_steps(e.runner):
             eager = e.complete(prompt, SamplingParams(max_tokens=32, temperature=0.0)).token_ids
-        finally:
-            e.runner.graphs = graphs
     assert with_graphs == eager
