@@ -20,4 +20,7 @@ class Architecture:
     qk_norm: bool = False  # per-head RMSNorm on q and k before RoPE
     default_head_dim: int | None = None  # when config.json omits head_dim; None: hidden / heads
     gguf_qk_permuted: bool = False  # llama.cpp's converter reorders Q/K rows for its RoPE
+    # Mixture of experts: whether a GGUF file's top-k weights are renormalised when the file does
+    # not say (`{arch}.expert_weights_norm`); llama.cpp fixes it per architecture.
+    gguf_norm_topk: bool = True
     model_class: type[DecoderModel] = DecoderModel

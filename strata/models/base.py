@@ -36,6 +36,17 @@ class ModelConfig:
     qk_norm: bool = False  # per-head RMSNorm on q and k (qwen3)
     bos_token_id: int | None = None
     eos_token_ids: list[int] = field(default_factory=list)
+    # Mixture of experts (`moe.py`); num_experts 0: every layer's MLP is dense.
+    num_experts: int = 0
+    experts_per_token: int = 0  # top-k
+    expert_ffn: int = 0  # one expert's intermediate size
+    norm_topk_prob: bool = True  # the k chosen weights rescaled to sum to 1
+    shared_expert_ffn: int = 0  # a shared expert with a sigmoid gate beside the routed ones (qwen2_moe)
+    dense_layers: tuple[int, ...] = ()  # layers that keep a dense MLP in a MoE model
+
+    def sparse(self, layer: int) -> bool:
+        """Whether `layer`'s MLP is a mixture of experts."""
+        return self.num_experts > 0 and layer not in self.dense_layers
 
     @property
     def attn_scale(self) -> float:

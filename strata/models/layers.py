@@ -14,34 +14,15 @@ from __future__ import annotations
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from strata.attention.base import AttentionContext
 from strata.models import ops
 from strata.models.base import ModelConfig
 from strata.models.blocks import BlockLinear
+from strata.models.dense import MLP, Linear, stable_linear
+from strata.models.moe import SparseMLP
 from strata.models.rope import apply_rope, inverse_frequencies, rope_tables
-
-
-def stable_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """F.linear whose rows do not depend on how many rows there are.
-
-    On the CPU a single bf16 row takes a matrix-vector path whose low bits
-    differ from the same row inside a larger matmul (measured: down_proj of
-    the default model, 2.4e-4). Two rows always take the matrix path, so a
-    lone row is computed as the first of two.
-    """
-    if x.shape[0] == 1 and x.dim() == 2 and x.device.type == "cpu":
-        return F.linear(x.expand(2, -1), weight, bias)[:1]
-    return F.linear(x, weight, bias)
-
-
-class Linear(nn.Linear):
-    """nn.Linear computed by `stable_linear`."""
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return stable_linear(x, self.weight, self.bias)
 
 
 class RMSNorm(nn.Module):
@@ -113,18 +94,6 @@ class Attention(nn.Module):
         return ctx.attend(self.layer_index, q, k, v).reshape(t, self.q_size)
 
 
-class MLP(nn.Module):
-    """SwiGLU: down(silu(gate(x)) * up(x)), gate and up in one matmul."""
-
-    def __init__(self, cfg: ModelConfig) -> None:
-        super().__init__()
-        self.gate_up_proj = Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=False)
-        self.down_proj = Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj.forward(ops.silu_mul(self.gate_up_proj.forward(x)))
-
-
 class DecoderLayer(nn.Module):
     """Pre-norm residual block: attention, then MLP.
 
@@ -137,13 +106,18 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.self_attn = Attention(cfg, layer_index)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.mlp = MLP(cfg)
+        self.mlp: MLP | SparseMLP
+        if cfg.sparse(layer_index):
+            self.mlp = SparseMLP(cfg.hidden_size, cfg.num_experts, cfg.experts_per_token, cfg.expert_ffn,
+                                 cfg.norm_topk_prob, cfg.shared_expert_ffn)
+        else:
+            self.mlp = MLP(cfg.hidden_size, cfg.intermediate_size)
 
     def forward(
         self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, ctx: AttentionContext
     ) -> torch.Tensor:
-        if h.is_cuda and h.shape[0] == 1:  # one CUDA row: the products carry the small ops
-            attn, mlp = self.self_attn, self.mlp
+        if h.is_cuda and h.shape[0] == 1 and isinstance(self.mlp, MLP):  # one CUDA row: the products
+            attn, mlp = self.self_attn, self.mlp  # carry the small ops
             lins = (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)
             g = ops.row_kernels(h, *lins)
             if g is not None:

@@ -10,6 +10,7 @@ file fails fast with one ModelLoadError line.
 from __future__ import annotations
 
 import json
+import math
 import sys
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -256,7 +257,7 @@ def _fill(
                 raise ModelLoadError(path, f"missing tensor {part.name}")
             want = (part.rows, *param.shape[1:])
             got = tuple(source.shape(part.name))
-            if got != want:
+            if got != want and not (part.reshape and math.prod(got) == math.prod(want)):
                 raise ModelLoadError(
                     path, f"tensor {part.name} has shape {list(got)}, the config needs {list(want)}"
                 )
@@ -276,6 +277,8 @@ def _fill(
         assert device is not None
         for part in parts:
             t = source.load(part.name, device, dtype)
+            if part.reshape:
+                t = t.reshape(part.rows, *model.get_parameter(pname).shape[1:])
             pieces.append(part.fix(t) if part.fix is not None else t)
         state[pname] = pieces[0] if len(pieces) == 1 else torch.cat(pieces, dim=0)
     kept = set(model.state_dict())  # persistent buffers: the blocks `install_blocks` read already

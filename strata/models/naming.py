@@ -25,6 +25,9 @@ class Part:
     name: str  # the tensor's name in the file
     rows: int  # rows it fills in the parameter (dim 0)
     fix: Fix | None = None
+    # the stored tensor has the slot's values in another shape (one expert's [I, H] matrix is a
+    # row of [E, I, H]; a [H] gate vector is the [1, H] weight): read, then reshaped
+    reshape: bool = False
 
 
 _LAYER = re.compile(r"layers\.(\d+)\.(.+)")
@@ -39,7 +42,13 @@ _HF_LAYER = {
     "self_attn.qkv_proj.weight": [f"self_attn.{p}_proj.weight" for p in "qkv"],
     "self_attn.qkv_proj.bias": [f"self_attn.{p}_proj.bias" for p in "qkv"],
     "mlp.gate_up_proj.weight": ["mlp.gate_proj.weight", "mlp.up_proj.weight"],
+    "mlp.router.weight": ["mlp.gate.weight"],
+    "mlp.shared.gate_up_proj.weight": ["mlp.shared_expert.gate_proj.weight", "mlp.shared_expert.up_proj.weight"],
+    "mlp.shared.down_proj.weight": ["mlp.shared_expert.down_proj.weight"],
+    "mlp.shared_gate.weight": ["mlp.shared_expert_gate.weight"],
 }
+# a sparse layer's experts: one stored matrix per expert, stacked (`Part.reshape`)
+_HF_EXPERTS = {"mlp.experts.gate": "gate_proj", "mlp.experts.up": "up_proj", "mlp.experts.down": "down_proj"}
 
 _GGUF_LAYER = {
     "input_layernorm.weight": ["attn_norm.weight"],
@@ -51,7 +60,14 @@ _GGUF_LAYER = {
     "self_attn.qkv_proj.weight": ["attn_q.weight", "attn_k.weight", "attn_v.weight"],
     "self_attn.qkv_proj.bias": ["attn_q.bias", "attn_k.bias", "attn_v.bias"],
     "mlp.gate_up_proj.weight": ["ffn_gate.weight", "ffn_up.weight"],
+    "mlp.router.weight": ["ffn_gate_inp.weight"],
+    "mlp.experts.gate": ["ffn_gate_exps.weight"],  # [E, I, H] tensors: all experts in one
+    "mlp.experts.up": ["ffn_up_exps.weight"],
+    "mlp.experts.down": ["ffn_down_exps.weight"],
+    "mlp.shared.gate_up_proj.weight": ["ffn_gate_shexp.weight", "ffn_up_shexp.weight"],
+    "mlp.shared.down_proj.weight": ["ffn_down_shexp.weight"],
 }
+_GGUF_VECTORS = {"mlp.shared_gate.weight": "ffn_gate_inp_shexp.weight"}  # stored as [H]
 
 _GGUF_TOP = {
     "embed_tokens.weight": "token_embd.weight",
@@ -76,6 +92,9 @@ def hf_parts(param: str, rows: int, cfg: ModelConfig) -> list[Part]:
     if m is None:
         return [Part(f"model.{param}", rows)]
     layer, rest = m.groups()
+    if rest in _HF_EXPERTS:
+        return [Part(f"model.layers.{layer}.mlp.experts.{e}.{_HF_EXPERTS[rest]}.weight", 1, reshape=True)
+                for e in range(rows)]
     names = _HF_LAYER[rest]
     counts = _rows(cfg, rest, rows, len(names))
     return [Part(f"model.layers.{layer}.{n}", r) for n, r in zip(names, counts, strict=True)]
@@ -102,6 +121,8 @@ def gguf_parts(param: str, rows: int, cfg: ModelConfig, arch: Architecture) -> l
     if m is None:
         raise KeyError(param)
     layer, rest = m.groups()
+    if rest in _GGUF_VECTORS:
+        return [Part(f"blk.{layer}.{_GGUF_VECTORS[rest]}", rows, reshape=True)]
     names = _GGUF_LAYER[rest]
     counts = _rows(cfg, rest, rows, len(names))
     fixes: list[Fix | None] = [None] * len(names)

@@ -28,6 +28,11 @@ LAYER_NAMES = {
     "mlp.gate_proj": "ffn_gate",
     "mlp.up_proj": "ffn_up",
     "mlp.down_proj": "ffn_down",
+    "mlp.gate": "ffn_gate_inp",
+    "mlp.shared_expert.gate_proj": "ffn_gate_shexp",
+    "mlp.shared_expert.up_proj": "ffn_up_shexp",
+    "mlp.shared_expert.down_proj": "ffn_down_shexp",
+    "mlp.shared_expert_gate": "ffn_gate_inp_shexp",
 }
 
 # the quantized types of this test file: at least one of each block family
@@ -38,6 +43,37 @@ DEFAULT_TYPES = {
     "ffn_gate.weight": Q.Q4_0,
     "token_embd.weight": Q.F16,
 }
+
+
+def _tensors(model: torch.nn.Module) -> list[tuple[str, np.ndarray]]:
+    """(GGUF name, float32 data) of every tensor; transformers 5 holds a layer's experts as
+    fused [E, 2I, H] gate/up and [E, H, I] down parameters, which llama.cpp stores as
+    ffn_gate_exps, ffn_up_exps and ffn_down_exps."""
+    out = []
+    for hf_name, t in model.state_dict().items():
+        data = t.detach().float().numpy()
+        if ".mlp.experts.gate_up_proj" in hf_name:
+            layer = hf_name.split(".")[2]
+            gate, up = np.split(data, 2, axis=1)
+            out += [(f"blk.{layer}.ffn_gate_exps.weight", gate), (f"blk.{layer}.ffn_up_exps.weight", up)]
+        elif ".mlp.experts.down_proj" in hf_name:
+            out.append((f"blk.{hf_name.split('.')[2]}.ffn_down_exps.weight", data))
+        elif hf_name.endswith("mlp.shared_expert_gate.weight"):
+            out.append((gguf_name(hf_name), data.reshape(-1)))  # llama.cpp keeps it as a vector
+        else:
+            out.append((gguf_name(hf_name), data))
+    return out
+
+
+def _add_experts(w: GGUFWriter, cfg) -> None:
+    experts = getattr(cfg, "num_experts", None) or getattr(cfg, "num_local_experts", None)
+    if not experts:
+        return
+    w.add_expert_count(experts)
+    w.add_expert_used_count(cfg.num_experts_per_tok)
+    w.add_expert_feed_forward_length(cfg.moe_intermediate_size)
+    if getattr(cfg, "shared_expert_intermediate_size", 0):
+        w.add_expert_shared_feed_forward_length(cfg.shared_expert_intermediate_size)
 
 
 def gguf_name(hf_name: str) -> str:
@@ -111,19 +147,18 @@ def write_gguf(
     w.add_vocab_size(cfg.vocab_size)
     w.add_bos_token_id(cfg.bos_token_id)
     w.add_eos_token_id(cfg.eos_token_id)
+    _add_experts(w, cfg)
     if cfg.rope_parameters.get("rope_type") == "llama3":
         w.add_tensor("rope_freqs.weight", llama3_freq_factors(cfg))
     elif cfg.rope_parameters.get("rope_type") == "linear":
         w.add_rope_scaling_type(RopeScalingType.LINEAR)
         w.add_rope_scaling_factor(cfg.rope_parameters["factor"])
     tied = cfg.tie_word_embeddings
-    for hf_name, t in model.state_dict().items():
-        if tied and hf_name == "lm_head.weight":
+    for name, data in _tensors(model):
+        if tied and name == "output.weight":
             continue
-        name = gguf_name(hf_name)
         if name in skip:
             continue
-        data = t.detach().float().numpy()
         if arch == "llama" and ".attn_q." in name:
             data = permute_rows(data, cfg.num_attention_heads)
         elif arch == "llama" and ".attn_k." in name:

@@ -12,7 +12,14 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from transformers import AutoModelForCausalLM, LlamaConfig, Qwen2Config, Qwen3Config
+from transformers import (
+    AutoModelForCausalLM,
+    LlamaConfig,
+    Qwen2Config,
+    Qwen2MoeConfig,
+    Qwen3Config,
+    Qwen3MoeConfig,
+)
 
 COMMON: dict[str, Any] = dict(
     vocab_size=256,
@@ -47,6 +54,13 @@ CONFIGS = {
     ),
     "qwen2": lambda: Qwen2Config(**COMMON, tie_word_embeddings=True),
     "qwen3": lambda: Qwen3Config(**COMMON, head_dim=32),
+    # 8 experts, 2 a token, renormalised; every layer sparse
+    "qwen3_moe": lambda: Qwen3MoeConfig(**COMMON, head_dim=32, num_experts=8, num_experts_per_tok=2,
+                                        moe_intermediate_size=64, norm_topk_prob=True),
+    # not renormalised, a gated shared expert, and layer 1 dense (mlp_only_layers)
+    "qwen2_moe": lambda: Qwen2MoeConfig(**COMMON, num_experts=8, num_experts_per_tok=3,
+                                        moe_intermediate_size=64, shared_expert_intermediate_size=96,
+                                        mlp_only_layers=[1]),
     # transformers' GGUF loader ignores qwen3's key_length and assumes 128
     "qwen3_hd128": lambda: Qwen3Config(**COMMON, head_dim=128),
 }

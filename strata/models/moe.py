@@ -1,0 +1,121 @@
+"""The sparse MLP of mixture-of-experts models: a router picks k of E SwiGLU experts per token.
+
+Qwen3-MoE and Qwen2-MoE route the same way (a softmax over the router's
+logits in float32, the top k, optionally renormalised to sum to 1, then
+rounded to the compute dtype); Qwen2-MoE adds a shared expert that every
+token takes, scaled by a sigmoid gate. The arithmetic follows Hugging Face's
+so its models are an oracle: each expert's output is multiplied by its
+weight in the compute dtype and the k products are summed in ascending
+expert order, rounding after each add (its `index_add_` over experts in
+turn). A token's result depends only on its own row, never on which other
+tokens share the step: the batch invariance the dense layers keep.
+
+Where the experts' weights live is the `ExpertWeights` holder's business:
+`Experts` holds all of them on the compute device (dense tensors, or the GGUF
+file's blocks), `experts.ExpertCache` keeps them in host RAM with the hot ones
+in device slots. The products go to the fused Triton kernels
+(`kernels/triton/moe.py`) for CUDA tensors they take, else to a loop over the
+experts a step uses (the CPU path, where each product is a bf16 matmul whose
+rows do not depend on how many rows there are).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from strata.models.dense import MLP, Linear, stable_linear
+
+try:  # the CPU machines and CI have no Triton
+    from strata.kernels.triton import moe as triton_moe
+except ImportError:
+    triton_moe = None  # type: ignore[assignment]
+
+Product = Callable[[int, torch.Tensor], torch.Tensor]  # (expert, rows [n, H]) -> SwiGLU rows [n, H]
+
+
+def route(logits: torch.Tensor, k: int, normalise: bool, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """Router logits [T, E] -> (expert ids [T, k] int64, weights [T, k] in `dtype`)."""
+    probs = torch.softmax(logits, dim=-1, dtype=torch.float32)
+    weights, ids = torch.topk(probs, k, dim=-1)
+    if normalise:
+        weights = weights / weights.sum(dim=-1, keepdim=True)
+    return ids, weights.to(dtype)
+
+
+def combine_loop(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, product: Product) -> torch.Tensor:
+    """sum_j weights[t, j] * expert_{ids[t, j]}(x[t]), one expert at a time in ascending order.
+
+    The tokens of an expert are gathered and multiplied together; each token has at most one
+    slot per expert, so the adds into a row never collide and their order is the experts'.
+    """
+    out = torch.zeros_like(x)
+    k = ids.shape[1]
+    flat = ids.reshape(-1)
+    order = torch.argsort(flat, stable=True)
+    experts, counts = torch.unique_consecutive(flat[order], return_counts=True)
+    start = 0
+    for e, n in zip(experts.tolist(), counts.tolist(), strict=True):
+        pairs = order[start : start + n]
+        start += n
+        tokens = pairs // k
+        y = product(e, x.index_select(0, tokens))
+        out.index_add_(0, tokens, y * weights.reshape(-1)[pairs, None])
+    return out
+
+
+def swiglu(x: torch.Tensor, gate: torch.Tensor, up: torch.Tensor, down: torch.Tensor) -> torch.Tensor:
+    """down(silu(gate x) * up x) of one expert held as dense matrices, rounding as HF's expert."""
+    g = stable_linear(x, gate)
+    u = stable_linear(x, up)
+    return stable_linear(F.silu(g) * u, down)
+
+
+class Experts(nn.Module):
+    """E SwiGLU experts on the compute device: gate, up [E, I, H] and down [E, H, I]."""
+
+    def __init__(self, num: int, hidden: int, ffn: int) -> None:
+        super().__init__()
+        self.gate = nn.Parameter(torch.empty(num, ffn, hidden))
+        self.up = nn.Parameter(torch.empty(num, ffn, hidden))
+        self.down = nn.Parameter(torch.empty(num, hidden, ffn))
+
+    @property
+    def num_experts(self) -> int:
+        return int(self.gate.shape[0])
+
+    def forward(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        if triton_moe is not None and triton_moe.takes(x, self.gate, self.up, self.down):
+            return triton_moe.moe(x, self.gate, self.up, self.down, ids, weights)
+        return combine_loop(x, ids, weights, self.product)
+
+    def product(self, e: int, rows: torch.Tensor) -> torch.Tensor:
+        return swiglu(rows, self.gate[e], self.up[e], self.down[e])
+
+
+class SparseMLP(nn.Module):
+    """Router, routed experts and an optional gated shared expert (one decoder layer's MLP)."""
+
+    def __init__(self, hidden: int, num_experts: int, top_k: int, expert_ffn: int, normalise: bool,
+                 shared_ffn: int = 0) -> None:
+        super().__init__()
+        self.router = Linear(hidden, num_experts, bias=False)
+        self.experts: nn.Module = Experts(num_experts, hidden, expert_ffn)
+        self.top_k = top_k
+        self.normalise = normalise
+        self.shared = MLP(hidden, shared_ffn) if shared_ffn else None
+        self.shared_gate = Linear(hidden, 1, bias=False) if shared_ffn else None
+
+    def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """x [T, H] -> (expert ids [T, k], weights [T, k] in x's dtype)."""
+        return route(self.router.forward(x), self.top_k, self.normalise, x.dtype)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        ids, weights = self.route(x)
+        out = self.experts.forward(x, ids, weights)
+        if self.shared is not None and self.shared_gate is not None:
+            out = out + torch.sigmoid(self.shared_gate.forward(x)) * self.shared.forward(x)
+        return out
