@@ -32,26 +32,26 @@ stay F32 whatever the type.
 The router. Random router rows route almost uniformly, while real MoE routing
 has hot and cold experts in every layer, which is what expert caching,
 offloading and load balancing are measured against. So `--router skewed`
-(the default; `uniform` is the control) builds each layer's router from
-N(0, 1/hidden) rows, row e scaled by s_e: the expert at popularity rank r
-(1 = hottest) gets s = r ** -ROUTER_SKEW (0.35), the scales normalised to
-RMS 1, and a random permutation per layer (from the seed and the layer
-index) decides which expert holds which rank, so every layer has its own hot
-set. For a hidden state of RMS 1 that is not aligned with the rows, expert
-e's logit is then about N(0, s_e^2): the same softmax-top-k competition among
-experts of unequal logit spread, which the wide ones win more often.
-Measured on 20000 N(0, 1) hidden rows normalised to RMS 1 (what the
-router sees after an RMSNorm with weights 1): with qwen3-30b-a3b's router
-(128 experts, 8 used) the top 25% of experts take about 60% of the routing,
-the hottest expert about 5x the uniform rate and the coldest about 0.2x,
-frequency against rank falling like a power law of exponent about -0.6 over
-the hotter half; `uniform` gives about 26%. Neither a router nor any weight
-makes consecutive tokens pick the same experts: that correlation belongs to
-the hidden states, and random hidden states have none. The construction has
-a ceiling where many experts are used: a router without bias sees x and -x
-give opposite logits, so with hidden states symmetric about zero an expert is
-in the top k at most half the time; with 4 of 16 experts used (tiny-moe) the
-top 25% can take at most 50% (it measures about 32%).
+(the default; `uniform` is the control) builds each layer's ffn_gate_inp
+(F32) from N(0, 1/hidden) rows, row e scaled by s_e: the expert at popularity
+rank r (1 = hottest) gets s = r ** -ROUTER_SKEW (0.35), the scales normalised
+to RMS 1, and a random permutation per layer (drawn from the seed and the
+layer index) deals the ranks to experts, so every layer has its own hot set.
+A hidden state of RMS 1 unrelated to the rows then gives expert e a logit of
+about N(0, s_e^2); top-k picks the largest logits, and an expert whose logit
+spreads wider lands there more often. Measured with 20000 N(0, 1) hidden rows
+normalised to RMS 1 (what the router sees after an RMSNorm with weights 1),
+softmax then top-k: with qwen3-30b-a3b's router (128 experts, 8 used) the top
+25% of experts take about 60% of the routing in every layer, the hottest
+expert about 5x the uniform rate and the coldest about 0.2x, the frequency
+falling with rank like rank ** -0.6 over the hotter half; `uniform` gives
+about 27% (25% is exact balance). No router makes consecutive tokens pick
+the same experts: that correlation belongs to the hidden states, and random
+hidden states have none. The construction has a ceiling when many experts
+are used: a router without bias turns -x into opposite logits, so for hidden
+states symmetric about zero an expert is in the top k at most half the time;
+with 4 of 16 experts used (tiny-moe) the top 25% can take at most 50%, and
+it measures about 32%.
 """
 
 from __future__ import annotations
@@ -196,8 +196,10 @@ def _ffn(shape: Shape, layer: int, quant: str) -> Plan:
     h, b = shape.hidden, f"blk.{layer}."
     if shape.moe:
         e, f = shape.experts, shape.expert_ffn
-        mats = [("ffn_gate_exps", (e, f, h)), ("ffn_up_exps", (e, f, h)), ("ffn_down_exps", (e, h, f))]
-        head = [(b + "ffn_norm.weight", (h,), GGML_F32), (b + "ffn_gate_inp.weight", (e, h), GGML_F32)]
+        mats = [("ffn_gate_exps", (e, f, h)), ("ffn_up_exps", (e, f, h)),
+                ("ffn_down_exps", (e, h, f))]
+        head = [(b + "ffn_norm.weight", (h,), GGML_F32),
+                (b + "ffn_gate_inp.weight", (e, h), GGML_F32)]
     else:
         f = shape.ffn
         mats = [("ffn_gate", (f, h)), ("ffn_up", (f, h)), ("ffn_down", (h, f))]
@@ -208,7 +210,8 @@ def _ffn(shape: Shape, layer: int, quant: str) -> Plan:
 def tensor_plan(shape: Shape, vocab: int, quant: str = "bf16") -> Plan:
     """(name, torch-order shape, ggml type) of every tensor, in file order."""
     h = shape.hidden
-    plan = [("token_embd.weight", (vocab, h), _matrix_type("token_embd", -1, (vocab, h), shape, quant))]
+    embd = _matrix_type("token_embd", -1, (vocab, h), shape, quant)
+    plan = [("token_embd.weight", (vocab, h), embd)]
     for i in range(shape.layers):
         plan += _attention(shape, i, quant) + _ffn(shape, i, quant)
     out = _matrix_type("output", -1, (vocab, h), shape, quant)
@@ -218,8 +221,6 @@ def tensor_plan(shape: Shape, vocab: int, quant: str = "bf16") -> Plan:
 # ---- the expert router -----------------------------------------------------------
 ROUTER_SKEW = 0.35  # the expert at popularity rank r gets router row scale r ** -ROUTER_SKEW
 ROUTERS = ("skewed", "uniform")
-
-
 _PERMUTATION, _ROWS = 0, 1  # the two random streams of a layer's router
 
 
@@ -323,8 +324,8 @@ def model_fields(shape: Shape, vocab: int, name: str, file_type: int = FILE_TYPE
         (Keys.Rope.FREQ_BASE.format(arch=a), F32, shape.rope_theta, None),
     ]
     if shape.moe:
-        fields += [u32(L.EXPERT_FEED_FORWARD_LENGTH, shape.expert_ffn), u32(L.EXPERT_COUNT, shape.experts),
-                   u32(L.EXPERT_USED_COUNT, shape.experts_used),
+        fields += [u32(L.EXPERT_FEED_FORWARD_LENGTH, shape.expert_ffn),
+                   u32(L.EXPERT_COUNT, shape.experts), u32(L.EXPERT_USED_COUNT, shape.experts_used),
                    u32(A.KEY_LENGTH, shape.head_dim), u32(A.VALUE_LENGTH, shape.head_dim)]
     else:
         fields.append(u32(Keys.Rope.DIMENSION_COUNT, shape.head_dim))
@@ -457,7 +458,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--quant", default="bf16", choices=sorted(FILE_TYPES),
                    help="the weights' type (Q4_K_M: llama.cpp's mix of Q4_K and Q6_K)")
     p.add_argument("--router", default="skewed", choices=ROUTERS,
-                   help="mixture-of-experts shapes: hot experts per layer (skewed) or random rows (uniform)")
+                   help="mixture-of-experts shapes: hot experts in every layer (skewed) "
+                        "or plain random rows (uniform)")
     p.add_argument("--tokenizer-only", action="store_true",
                    help="write only the tokenizer metadata (a few MB), to use as --tokenizer-from elsewhere")
     args = p.parse_args(argv)
@@ -471,7 +473,8 @@ def main(argv: list[str] | None = None) -> int:
         print(json.dumps({"path": str(args.out), "bytes": args.out.stat().st_size}))
         return 0
     info = write_gguf(args.out, SHAPES[args.shape], copy_tokenizer_fields(src),
-                      name=f"synthetic-{args.shape}", seed=args.seed, quant=args.quant, router=args.router)
+                      name=f"synthetic-{args.shape}", seed=args.seed, quant=args.quant,
+                      router=args.router)
     json.dump(info, sys.stdout)
     print()
     return 0
