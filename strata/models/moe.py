@@ -21,7 +21,7 @@ rows do not depend on how many rows there are).
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -67,11 +67,46 @@ def combine_loop(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, prod
     return out
 
 
+def combine_ordered(y: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+    """The k expert outputs of each token, y [T * k, H], summed as `combine_loop` sums them
+    (weighted in the dtype, ascending expert id, rounded after each add)."""
+    t, k = ids.shape
+    rank = torch.argsort(ids, dim=1)
+    rows = y.view(t, k, -1).gather(1, rank[..., None].expand(-1, -1, y.shape[-1]))
+    w = weights.gather(1, rank)
+    out = rows[:, 0] * w[:, :1]
+    for j in range(1, k):
+        out = out + rows[:, j] * w[:, j : j + 1]
+    return out
+
+
 def swiglu(x: torch.Tensor, gate: torch.Tensor, up: torch.Tensor, down: torch.Tensor) -> torch.Tensor:
     """down(silu(gate x) * up x) of one expert held as dense matrices, rounding as HF's expert."""
     g = stable_linear(x, gate)
     u = stable_linear(x, up)
     return stable_linear(F.silu(g) * u, down)
+
+
+class DenseMath:
+    """The products of experts held as dense [E, I, H] / [E, H, I] tensors (gate, up, down)."""
+
+    def pairs(self, rows: torch.Tensor, tensors: Sequence[torch.Tensor], slots: torch.Tensor) -> torch.Tensor:
+        """rows [P, H], each with its own expert (slots [P], indices into the tensors) -> [P, H]."""
+        gate, up, down = tensors
+        if triton_moe is not None and triton_moe.takes(rows, gate, up, down):
+            a = triton_moe.align(slots.view(-1, 1), int(gate.shape[0]), triton_moe.block_m_for(rows.shape[0]))
+            act = triton_moe.expert_gate_up(rows, gate, up, a, 1)
+            return triton_moe.expert_down(act, down, a, 1)
+        return combine_loop(rows, slots.view(-1, 1), torch.ones_like(slots, dtype=rows.dtype).view(-1, 1),
+                            lambda s, r: swiglu(r, gate[s], up[s], down[s]))
+
+    def all(self, x: torch.Tensor, tensors: Sequence[torch.Tensor], ids: torch.Tensor,
+            weights: torch.Tensor) -> torch.Tensor:
+        """The routed experts' weighted sum for every token, each expert at its own index."""
+        gate, up, down = tensors
+        if triton_moe is not None and triton_moe.takes(x, gate, up, down):
+            return triton_moe.moe(x, gate, up, down, ids, weights)
+        return combine_loop(x, ids, weights, lambda e, r: swiglu(r, gate[e], up[e], down[e]))
 
 
 class Experts(nn.Module):
@@ -82,18 +117,18 @@ class Experts(nn.Module):
         self.gate = nn.Parameter(torch.empty(num, ffn, hidden))
         self.up = nn.Parameter(torch.empty(num, ffn, hidden))
         self.down = nn.Parameter(torch.empty(num, hidden, ffn))
+        self.math = DenseMath()
 
     @property
     def num_experts(self) -> int:
         return int(self.gate.shape[0])
 
-    def forward(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
-        if triton_moe is not None and triton_moe.takes(x, self.gate, self.up, self.down):
-            return triton_moe.moe(x, self.gate, self.up, self.down, ids, weights)
-        return combine_loop(x, ids, weights, self.product)
+    def tensors(self) -> list[torch.Tensor]:
+        """The expert-major tensors (what an expert cache copies slot by slot)."""
+        return [self.gate, self.up, self.down]
 
-    def product(self, e: int, rows: torch.Tensor) -> torch.Tensor:
-        return swiglu(rows, self.gate[e], self.up[e], self.down[e])
+    def forward(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        return self.math.all(x, self.tensors(), ids, weights)
 
 
 class SparseMLP(nn.Module):
@@ -108,6 +143,10 @@ class SparseMLP(nn.Module):
         self.normalise = normalise
         self.shared = MLP(hidden, shared_ffn) if shared_ffn else None
         self.shared_gate = Linear(hidden, 1, bias=False) if shared_ffn else None
+
+    def hold_experts(self, experts: nn.Module) -> None:
+        """Compute the routed experts with another holder of the same weights (an expert cache)."""
+        self.experts = experts
 
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """x [T, H] -> (expert ids [T, k], weights [T, k] in x's dtype)."""

@@ -1,0 +1,160 @@
+"""The expert cache (`--expert-cache N`): every expert in host RAM, the hot ones in device slots.
+
+A MoE model's experts are most of its bytes (Qwen3-30B-A3B: 29 of 30.5 B
+parameters) while a token reads k of E per layer, so the experts follow the
+routing the way K/V cells follow the tokens: all of them in pinned host
+memory, N slots per layer on the device. A step's routing is known before
+its experts run; experts it needs that are not resident are copied into the
+slots of experts it does not need (`kv/expert_residency.py` orders the
+victims), on a copy stream while the step computes the experts it already
+holds. The products are the same kernels reading the slots instead of the
+full tensors, every (token, expert) row computed on its own and the k rows
+summed in expert order (`moe.combine_ordered`), so the cache gives the bits
+of all experts resident whatever it holds (tested with one slot).
+
+A step that needs more experts than there are slots runs in rounds of at
+most N experts. The routing costs one device-to-host read per layer and
+step, so a cached model decodes without CUDA graphs.
+"""
+
+from __future__ import annotations
+
+from contextlib import nullcontext
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+
+from strata.kv.expert_residency import DEFAULT_POLICY, ExpertUsage, evict_order
+from strata.models.moe import combine_ordered
+
+
+@dataclass
+class CacheStats:
+    """Counters over every layer's cache (what /metrics and /v1/state report)."""
+
+    hits: int = 0
+    misses: int = 0
+    bytes_uploaded: int = 0
+    steps: int = 0  # layer-steps
+    slots: dict[int, int] = field(default_factory=dict)  # layer -> slots
+
+    def hit_rate(self) -> float:
+        total = self.hits + self.misses
+        return self.hits / total if total else 0.0
+
+
+class ExpertCache(nn.Module):
+    """One layer's experts: host tensors [E, ...] and device slots [N, ...] of the same rows.
+
+    `math`: the holder's product functions (`moe.DenseMath` / `BlockMath`), called with the slot
+    tensors; `host`: the holder's expert-major tensors (moved to pinned memory here).
+    """
+
+    def __init__(self, math: object, host: list[torch.Tensor], slots: int, device: torch.device,
+                 layer: int, stats: CacheStats, policy: str = DEFAULT_POLICY) -> None:
+        super().__init__()
+        experts = int(host[0].shape[0])
+        if not 1 <= slots <= experts:
+            raise ValueError(f"an expert cache of {slots} slots for {experts} experts")
+        self.math = math
+        self.layer = layer
+        self.num_experts = experts
+        self.num_slots = slots
+        self.policy = policy
+        self.stats = stats
+        stats.slots[layer] = slots
+        pin = device.type == "cuda"
+        for i, t in enumerate(host):
+            t = t.detach().cpu().contiguous()
+            self.register_buffer(f"host{i}", t.pin_memory() if pin else t)
+            self.register_buffer(f"slot{i}", torch.empty((slots, *t.shape[1:]), dtype=t.dtype, device=device))
+        self.parts = len(host)
+        self.expert_bytes = sum(t[0].numel() * t.element_size() for t in host)
+        self.slot_of = [-1] * experts  # expert -> slot
+        self.held: list[int] = [-1] * slots  # slot -> expert
+        self.usage = ExpertUsage(experts)
+        self.copies = torch.cuda.Stream(device) if pin else None
+        self.trace: list[list[int]] | None = None  # set to [] to record each step's experts
+
+    def host_tensors(self) -> list[torch.Tensor]:
+        return [getattr(self, f"host{i}") for i in range(self.parts)]
+
+    def slot_tensors(self) -> list[torch.Tensor]:
+        return [getattr(self, f"slot{i}") for i in range(self.parts)]
+
+    def resident(self) -> list[int]:
+        return [e for e in self.held if e >= 0]
+
+    def forward(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        need = sorted(set(ids.reshape(-1).tolist()))  # the one host read of the routing
+        if self.trace is not None:
+            self.trace.append(need)
+        hits = [e for e in need if self.slot_of[e] >= 0]
+        misses = [e for e in need if self.slot_of[e] < 0]
+        self.stats.hits += len(hits)
+        self.stats.misses += len(misses)
+        self.stats.steps += 1
+        y = torch.empty((ids.numel(), x.shape[-1]), dtype=x.dtype, device=x.device)
+        k = ids.shape[1]
+        # the first round: what is resident, plus the misses that fit beside it
+        room = self.num_slots - len(hits)
+        rounds = [misses[i : i + self.num_slots] for i in range(room, len(misses), self.num_slots)]
+        first_misses = misses[:room]
+        start = torch.cuda.current_stream(x.device).record_event() if self.copies is not None else None
+        self._compute(x, ids, k, hits, y)  # overlaps the copies of the first misses, which
+        self._upload(first_misses, set(need), start)  # only wait for the steps before this one
+        self._compute(x, ids, k, first_misses, y)
+        for group in rounds:  # evicts experts computed above: after their products
+            after = torch.cuda.current_stream(x.device).record_event() if self.copies is not None else None
+            self._upload(group, set(group), after)
+            self._compute(x, ids, k, group, y)
+        self.usage.record(need)
+        return combine_ordered(y, ids, weights)
+
+    def _upload(self, experts: list[int], needed: set[int], after: torch.cuda.Event | None) -> None:
+        """Copy `experts` into slots that hold nothing or an expert outside `needed`, on the copy
+        stream once the compute stream has passed `after` (the last reads of those slots)."""
+        if not experts:
+            return
+        free = [s for s, e in enumerate(self.held) if e < 0]
+        victims = evict_order(self.usage, self.resident(), needed, self.policy)
+        slots = free + [self.slot_of[e] for e in victims]
+        assert len(slots) >= len(experts), "the rounds leave a slot for every miss"
+        stream = self.copies
+        if stream is not None and after is not None:
+            stream.wait_event(after)
+        with torch.cuda.stream(stream) if stream is not None else nullcontext():
+            for e, s in zip(experts, slots, strict=False):
+                old = self.held[s]
+                if old >= 0:
+                    self.slot_of[old] = -1
+                for src, dst in zip(self.host_tensors(), self.slot_tensors(), strict=True):
+                    dst[s].copy_(src[e], non_blocking=True)
+                self.held[s], self.slot_of[e] = e, s
+        if stream is not None:
+            torch.cuda.current_stream(stream.device).wait_stream(stream)
+        self.stats.bytes_uploaded += len(experts) * self.expert_bytes
+
+    def _compute(self, x: torch.Tensor, ids: torch.Tensor, k: int, experts: list[int], y: torch.Tensor) -> None:
+        """y's rows of the (token, expert) pairs of `experts` (all resident now)."""
+        if not experts:
+            return
+        lut = torch.full((self.num_experts,), -1, dtype=torch.int64)
+        for e in experts:
+            lut[e] = self.slot_of[e]
+        slots = lut.to(ids.device)[ids.reshape(-1)]
+        pairs = torch.nonzero(slots >= 0).view(-1)
+        rows = x.index_select(0, pairs // k)
+        y[pairs] = self.math.pairs(rows, self.slot_tensors(), slots[pairs])
+
+
+def install_expert_cache(model: nn.Module, slots: int, device: torch.device, stats: CacheStats,
+                         policy: str = DEFAULT_POLICY) -> None:
+    """Replace every sparse layer's experts (loaded to the host) by an ExpertCache of `slots`."""
+    for i, layer in enumerate(model.layers):
+        experts = getattr(layer.mlp, "experts", None)
+        if experts is None or isinstance(experts, ExpertCache) or experts.tensors()[0].is_meta:
+            continue
+        layer.mlp.hold_experts(ExpertCache(experts.math, experts.tensors(), min(slots, experts.num_experts),
+                                           device, i, stats, policy))

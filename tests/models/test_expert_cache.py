@@ -1,0 +1,77 @@
+"""The expert cache gives the bits of all experts resident, whatever few slots it has."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from tiny_models import tiny_hf_model
+
+from strata.models import load_model
+from strata.models.experts import CacheStats, ExpertCache, install_expert_cache
+from strata.models.moe import SparseMLP
+
+
+@pytest.fixture(scope="module")
+def moe_model(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("qwen2_moe")
+    tiny_hf_model("qwen2_moe").save_pretrained(folder)
+    return load_model(str(folder), device="cpu", dtype="bfloat16", progress=False).model
+
+
+def _steps(seed: int) -> list[torch.Tensor]:
+    """Inputs of a prompt (17 rows: more experts than slots) and then one-row decode steps."""
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randn(n, 64, generator=g).to(torch.bfloat16) for n in (17, 1, 1, 3, 1, 1, 1, 9, 1)]
+
+
+@pytest.mark.parametrize("slots", [1, 2, 5])
+def test_cache_equals_all_resident(moe_model, slots: int) -> None:
+    ref = moe_model.layers[0].mlp
+    assert isinstance(ref, SparseMLP)
+    cached = copy.deepcopy(ref)
+    stats = CacheStats()
+    holder = type("M", (), {"layers": [type("L", (), {"mlp": cached})()]})()
+    install_expert_cache(holder, slots, torch.device("cpu"), stats)
+    assert isinstance(cached.experts, ExpertCache) and cached.experts.num_slots == slots
+    needs = 0
+    with torch.inference_mode():
+        for x in _steps(0):
+            ids, _ = ref.route(x)
+            needs += len(set(ids.view(-1).tolist()))
+            assert torch.equal(cached.forward(x), ref.forward(x))
+    assert stats.hits + stats.misses == needs and stats.misses >= 1
+    assert stats.bytes_uploaded == stats.misses * cached.experts.expert_bytes
+    assert len(cached.experts.resident()) == slots
+
+
+def test_cache_negative_control(moe_model) -> None:
+    """One wrong byte in one host expert shows up in the tokens that use it."""
+    ref = moe_model.layers[0].mlp
+    cached = copy.deepcopy(ref)
+    holder = type("M", (), {"layers": [type("L", (), {"mlp": cached})()]})()
+    install_expert_cache(holder, 2, torch.device("cpu"), CacheStats())
+    x = _steps(1)[0]
+    ids, _ = ref.route(x)
+    with torch.inference_mode():
+        cached.experts.host_tensors()[2][int(ids[0, 0])] *= 1.02
+        assert not torch.equal(cached.forward(x), ref.forward(x))
+
+
+def test_full_model_with_a_cache_keeps_its_greedy_tokens(tmp_path) -> None:
+    from dense_context import greedy
+    from tiny_models import PROMPT
+
+    tiny_hf_model("qwen3_moe").save_pretrained(tmp_path)
+    loaded = load_model(str(tmp_path), device="cpu", dtype="bfloat16", progress=False)
+    want = greedy(loaded, PROMPT, 12)
+    stats = CacheStats()
+    install_expert_cache(loaded.model, 3, torch.device("cpu"), stats)
+    assert greedy(loaded, PROMPT, 12) == want
+    assert stats.slots == {0: 3, 1: 3} and 0 < stats.hit_rate() < 1
+
+
+def test_slots_must_fit() -> None:
+    with pytest.raises(ValueError, match="0 slots"):
+        ExpertCache(None, [torch.zeros(4, 2, 2)], 0, torch.device("cpu"), 0, CacheStats())
