@@ -1,9 +1,10 @@
 """Which parts of a meta-built model take a GGUF file's blocks as they are (`--weights gguf`).
 
 Before the loader reads anything dense, every projection (q/k/v, o, gate/up,
-down, the output head) and the embedding whose stored tensors are all of
-block types the device's kernels take is replaced by a `BlockLinear` /
-`BlockEmbedding` holding the file's bytes; the loader then fills what is
+down, a shared expert's, the output head), the embedding and a sparse layer's
+routed experts whose stored tensors are all of block types the device's
+kernels take are replaced by a `BlockLinear` / `BlockEmbedding` /
+`BlockExperts` holding the file's bytes; the loader then fills what is
 left (norms, biases, and tensors of other types) as before. A tensor of a
 type without a kernel on that device (IQ2_XS on CUDA, say) is dequantized
 on load like in the dense mode, and one warning line per type says so and
@@ -20,12 +21,12 @@ import torch
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 from torch import nn
 
+from strata.models.block_experts import BlockExperts
 from strata.models.blocks import FLOAT_TYPES, BlockEmbedding, BlockLinear, kernel_takes
+from strata.models.moe import SparseMLP, dense_mlp
 from strata.models.naming import Part
 
 log = logging.getLogger(__name__)
-PROJECTIONS = (("self_attn", "qkv_proj"), ("self_attn", "o_proj"), ("mlp", "gate_up_proj"),
-               ("mlp", "down_proj"))
 
 
 class BlockSource(Protocol):
@@ -75,12 +76,30 @@ def install_blocks(model: nn.Module, source: BlockSource, parts_of: Callable[[st
         device = placement.device_of(f"layers.{i}.input_layernorm.weight")
         if device is None:
             continue
-        for owner_name, name in PROJECTIONS:
-            owner = getattr(layer, owner_name)
+        mlp = dense_mlp(layer.mlp)
+        owners = [("self_attn", layer.self_attn, name) for name in ("qkv_proj", "o_proj")]
+        if mlp is not None:
+            prefix = "mlp" if mlp is layer.mlp else "mlp.shared"
+            owners += [(prefix, mlp, name) for name in ("gate_up_proj", "down_proj")]
+        for prefix, owner, name in owners:
             lin = getattr(owner, name)
-            segs = segments(f"layers.{i}.{owner_name}.{name}.weight", lin.weight.shape[0], device)
+            segs = segments(f"layers.{i}.{prefix}.{name}.weight", lin.weight.shape[0], device)
             if segs is not None:  # CUDA kernels read packed planes (`kernels/triton/blocks_decode.py`)
                 setattr(owner, name, BlockLinear(segs, lin.in_features, lin.bias, packed=device.type == "cuda"))
+        if isinstance(layer.mlp, SparseMLP):  # read where the experts live, computed on `device`
+            held = layer.mlp.experts
+            names = [f"layers.{i}.mlp.experts.{n}" for n in ("gate", "up", "down")]
+            parts = [parts_of(n, held.num_experts)[0] for n in names]
+            types = [source.block_type(p.name) for p in parts]
+            if all(kernel_takes(device, t) for t in types):
+                read_to = placement.device_of(names[0]) or device
+                hidden, ffn = int(held.gate.shape[2]), int(held.gate.shape[1])
+                layer.mlp.hold_experts(BlockExperts([(t, source.blocks(p.name, read_to)) for p, t in zip(parts, types, strict=True)],
+                                                    hidden, ffn, packed=device.type == "cuda"))
+            else:
+                for t in types:
+                    if t not in FLOAT_TYPES and not kernel_takes(device, t):
+                        dense[t.name] = dense.get(t.name, 0) + 1
     device = placement.device_of("embed_tokens.weight")
     if device is not None:
         emb = model.embed_tokens

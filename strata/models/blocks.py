@@ -117,7 +117,7 @@ class BlockLinear(nn.Module):
         x2 = x.reshape(-1, shape[-1]).contiguous()
         if out_dtype is not None and x2.device.type == "cpu":
             x2 = x2.to(out_dtype)
-        parts = [_product(x2, q, b, self.packed, out_dtype) for q, b in self.segments()]
+        parts = [block_product(x2, q, b, self.packed, out_dtype) for q, b in self.segments()]
         y = parts[0] if len(parts) == 1 else torch.cat(parts, dim=-1)
         if self.bias is not None:
             y = y + self.bias
@@ -155,7 +155,7 @@ class BlockLinear(nn.Module):
         return y if residual is None else residual + y
 
 
-def _product(x: torch.Tensor, qtype: GGMLQuantizationType, blocks: torch.Tensor, packed: bool,
+def block_product(x: torch.Tensor, qtype: GGMLQuantizationType, blocks: torch.Tensor, packed: bool,
              out_dtype: torch.dtype | None) -> torch.Tensor:
     """x [M, K] times one segment's rows, on the blocks' device."""
     if blocks.device.type == "cpu":

@@ -9,6 +9,7 @@ file fails fast with one ModelLoadError line.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import sys
@@ -49,10 +50,14 @@ class Placement:
 
     layers: tuple[torch.device | None, ...]
     ends: torch.device | None
+    experts: torch.device | None = None  # where routed experts are read (host: an expert cache)
 
     def device_of(self, param_name: str) -> torch.device | None:
         if param_name.startswith("layers."):
-            return self.layers[int(param_name.split(".")[1])]
+            layer = self.layers[int(param_name.split(".")[1])]
+            if layer is not None and self.experts is not None and ".mlp.experts." in param_name:
+                return self.experts
+            return layer
         return self.ends
 
     def main_device(self) -> torch.device:
@@ -103,6 +108,7 @@ def load_model(
     progress: bool = True,
     weights: str = "dense",
     place: Callable[[ModelConfig], Placement] | None = None,
+    experts_on_host: bool = False,
 ) -> LoadedModel:
     """Load a `.gguf` file or an HF folder (config.json + safetensors); None: the embedded default.
 
@@ -114,7 +120,8 @@ def load_model(
     quantized GGUF file where the device's block kernels take it; int8 / int4 on the CPU in
     bfloat16 otherwise). `place`: where each layer goes, for a layer
     split (None: everything on `device`), asked for once the model's configuration is read; its
-    `layers` must have one entry per layer.
+    `layers` must have one entry per layer. `experts_on_host`: a MoE model's routed experts are
+    read to host memory (for `--expert-cache`), everything else to its device.
     """
     path = str(default_model_path()) if path is None else str(path)
     p = Path(path)
@@ -136,6 +143,8 @@ def load_model(
     with torch.device("meta"):
         model = arch.model_class(cfg)
     placement = placement or Placement((dev,) * cfg.num_layers, dev)
+    if experts_on_host:  # an expert cache's host side: `experts.install_expert_cache` after the load
+        placement = dataclasses.replace(placement, experts=torch.device("cpu"))
     mode = resolve_weight_mode(weights, dev, dt, four_bit_source=_four_bit(source),
                                block_source=isinstance(source, GGUFSource) and blocks_fit(source, dev))
     if mode == "gguf":

@@ -127,6 +127,11 @@ class Experts(nn.Module):
         """The expert-major tensors (what an expert cache copies slot by slot)."""
         return [self.gate, self.up, self.down]
 
+    @property
+    def graph_safe(self) -> bool:
+        return triton_moe is not None and self.gate.is_cuda and triton_moe.takes(
+            torch.empty(1, self.gate.shape[2], dtype=self.gate.dtype, device=self.gate.device), *self.tensors())
+
     def forward(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
         return self.math.all(x, self.tensors(), ids, weights)
 
@@ -158,3 +163,20 @@ class SparseMLP(nn.Module):
         if self.shared is not None and self.shared_gate is not None:
             out = out + torch.sigmoid(self.shared_gate.forward(x)) * self.shared.forward(x)
         return out
+
+
+def dense_mlp(mlp: nn.Module) -> MLP | None:
+    """The dense SwiGLU of a layer's MLP: itself, a sparse MLP's shared expert, or None."""
+    if isinstance(mlp, MLP):
+        return mlp
+    return mlp.shared if isinstance(mlp, SparseMLP) else None
+
+
+def graph_safe(model: nn.Module) -> bool:
+    """Whether every sparse layer computes without reading the routing on the host (what a CUDA
+    graph capture needs): the fused kernels take its experts where they are."""
+    for layer in model.layers:
+        experts = getattr(layer.mlp, "experts", None)
+        if experts is not None and not getattr(experts, "graph_safe", False):
+            return False
+    return True

@@ -16,6 +16,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from strata.models.moe import dense_mlp
+
 WEIGHT_MODES = ("auto", "dense", "gguf", "int8", "int4")
 INT4_GROUP = 32
 
@@ -92,8 +94,11 @@ def quantize_weights(model: nn.Module, mode: str, dtype: torch.dtype) -> None:
     embedding to read it from).
     """
     for layer in model.layers:
-        attn, mlp = layer.self_attn, layer.mlp
-        for owner, name in ((attn, "qkv_proj"), (attn, "o_proj"), (mlp, "gate_up_proj"), (mlp, "down_proj")):
+        attn, mlp = layer.self_attn, dense_mlp(layer.mlp)  # routed experts stay in the dtype
+        owners = [(attn, "qkv_proj"), (attn, "o_proj")]
+        if mlp is not None:
+            owners += [(mlp, "gate_up_proj"), (mlp, "down_proj")]
+        for owner, name in owners:
             lin = getattr(owner, name)
             if lin.weight.is_meta:  # a layer another stage of a split holds
                 continue

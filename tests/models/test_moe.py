@@ -124,3 +124,21 @@ def test_bad_expert_counts_are_refused(tmp_path) -> None:
     (tmp_path / "config.json").write_text(json.dumps(cfg))
     with pytest.raises(ModelLoadError, match="num_experts_per_tok 9"):
         load_model(str(tmp_path), device="cpu", progress=False)
+
+
+def test_gguf_blocks_mode_keeps_experts_as_blocks(tmp_path) -> None:
+    """--weights gguf holds the experts as the file's blocks and computes what dense computes;
+    an expert cache over those blocks gives their bits."""
+    from strata.models.block_experts import BlockExperts
+    from strata.models.experts import CacheStats, install_expert_cache
+
+    write_gguf(tiny_hf_model("qwen3_moe"), tmp_path / "moe.gguf", "qwen3moe", types=TYPES)
+    path = str(tmp_path / "moe.gguf")
+    dense = load_model(path, device="cpu", dtype="float32", weights="dense", progress=False)
+    blocks = load_model(path, device="cpu", dtype="float32", weights="gguf", progress=False)
+    assert isinstance(blocks.model.layers[0].mlp.experts, BlockExperts)
+    torch.testing.assert_close(prompt_logits(blocks, PROMPT), prompt_logits(dense, PROMPT), atol=2e-4, rtol=2e-4)
+    want = prompt_logits(blocks, PROMPT)
+    host = load_model(path, device="cpu", dtype="float32", weights="gguf", progress=False, experts_on_host=True)
+    install_expert_cache(host.model, 1, torch.device("cpu"), CacheStats())
+    assert torch.equal(prompt_logits(host, PROMPT), want)

@@ -1,0 +1,95 @@
+"""Routed experts kept as the GGUF file's blocks (`--weights gguf` on a MoE file).
+
+llama.cpp stores a layer's experts as three 3-D tensors (`ffn_gate_exps`,
+`ffn_up_exps`, `ffn_down_exps`), each expert's rows back to back, so expert e
+of a [E, N, row_bytes] block tensor is its own [N, row_bytes] matrix: the
+holder keeps them so (packed into planes for the CUDA kernels, as
+`blocks.BlockLinear` does) and never makes a dense copy. Products go to the
+fused block kernels (`kernels/triton/moe_blocks.py`) where they take the
+tensors, else through the one-matrix block kernels expert by expert (the C++
+`block_matmul` on the CPU), with the same routing and combine as `moe.py`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+import torch.nn.functional as F
+from gguf import GGMLQuantizationType
+from torch import nn
+
+from strata.models.blocks import block_product, row_bytes
+from strata.models.moe import combine_loop
+
+try:  # the CPU machines and CI have no Triton
+    from strata.kernels.triton import blocks as triton_blocks
+    from strata.kernels.triton import moe_blocks as triton_moe_blocks
+except ImportError:
+    triton_blocks = triton_moe_blocks = None  # type: ignore[assignment]
+
+
+class BlockMath:
+    """The products of experts held as [E, N, row_bytes] blocks of three GGUF types."""
+
+    def __init__(self, qtypes: tuple[GGMLQuantizationType, GGMLQuantizationType, GGMLQuantizationType],
+                 packed: bool) -> None:
+        self.qtypes = qtypes
+        self.packed = packed
+
+    def fused(self, x: torch.Tensor, tensors: Sequence[torch.Tensor]) -> bool:
+        return (triton_moe_blocks is not None and x.is_cuda and self.qtypes[0] == self.qtypes[1]
+                and triton_moe_blocks.takes(x, int(self.qtypes[0]), int(self.qtypes[2])))
+
+    def _swiglu(self, s: int, rows: torch.Tensor, tensors: Sequence[torch.Tensor]) -> torch.Tensor:
+        gate, up, down = (t[s] for t in tensors)
+        qg, qu, qd = self.qtypes
+        g = block_product(rows, qg, gate, self.packed, None)
+        u = block_product(rows, qu, up, self.packed, None)
+        return block_product((F.silu(g) * u).contiguous(), qd, down, self.packed, None)
+
+    def pairs(self, rows: torch.Tensor, tensors: Sequence[torch.Tensor], slots: torch.Tensor) -> torch.Tensor:
+        """rows [P, H], each with its own expert (slots [P]) -> [P, H]."""
+        if self.fused(rows, tensors):
+            assert triton_moe_blocks is not None
+            return triton_moe_blocks.pairs_blocks(rows, *tensors, self.qtypes, slots, packed=self.packed)
+        ones = torch.ones(slots.numel(), 1, dtype=rows.dtype, device=rows.device)
+        return combine_loop(rows, slots.view(-1, 1), ones, lambda s, r: self._swiglu(s, r, tensors))
+
+    def all(self, x: torch.Tensor, tensors: Sequence[torch.Tensor], ids: torch.Tensor,
+            weights: torch.Tensor) -> torch.Tensor:
+        if self.fused(x, tensors):
+            assert triton_moe_blocks is not None
+            return triton_moe_blocks.moe_blocks(x, *tensors, self.qtypes, ids, weights, packed=self.packed)
+        return combine_loop(x, ids, weights, lambda e, r: self._swiglu(e, r, tensors))
+
+
+class BlockExperts(nn.Module):
+    """A layer's routed experts as GGUF blocks: gate, up uint8 [E, I, .], down [E, H, .]."""
+
+    def __init__(self, parts: Sequence[tuple[GGMLQuantizationType, torch.Tensor]], hidden: int, ffn: int,
+                 packed: bool) -> None:
+        super().__init__()
+        names = ("gate", "up", "down")
+        qtypes = []
+        for name, (qtype, blocks), columns in zip(names, parts, (hidden, hidden, ffn), strict=True):
+            e = blocks.shape[0]
+            flat = blocks.reshape(-1, row_bytes(qtype, columns))
+            if packed:
+                assert triton_blocks is not None, "packed blocks are read by the Triton kernels"
+                flat = triton_blocks.pack(flat, int(qtype))
+            self.register_buffer(name, flat.reshape(e, -1, flat.shape[1]).contiguous())
+            qtypes.append(qtype)
+        self.math = BlockMath((qtypes[0], qtypes[1], qtypes[2]), packed)
+        self.num_experts = int(parts[0][1].shape[0])
+
+    @property
+    def graph_safe(self) -> bool:
+        x = torch.empty(1, 1, device=self.gate.device)
+        return x.is_cuda and self.math.fused(x, self.tensors())
+
+    def tensors(self) -> list[torch.Tensor]:
+        return [self.gate, self.up, self.down]
+
+    def forward(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        return self.math.all(x, self.tensors(), ids, weights)
