@@ -11,6 +11,7 @@ from dataclasses import dataclass, fields
 
 from strata.engine.threads import parse_threads
 from strata.errors import BadRequest
+from strata.kv.expert_residency import POLICIES
 from strata.models.loader import resolve_device
 from strata.models.quantize import WEIGHT_MODES
 from strata.parallel.build import LocalSplit, RemoteSplit
@@ -47,6 +48,9 @@ class EngineConfig:
     stage_timeout: float = 60.0  # seconds any link operation may take before the stage counts as lost
     prompt_cache: int = 0  # keep up to N conversations as checkpoints (with --remote-stage: the
     # worker keeps its part under ids); 0 = as --conversation-cache-* say
+    experts_on: str = "device"  # a MoE model's routed experts: device (all resident) | host
+    expert_cache: str | None = None  # device slots per layer with experts on the host: N | auto
+    expert_policy: str = "lfru"  # which cached expert gives its slot up: lru | lfu | lfru
 
 
 DEFAULT_KV_CHUNK = 4096
@@ -143,6 +147,15 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--pipeline", default=d.pipeline, choices=["auto", "on", "off"],
                    help="greedy decode: launch the next step before post-processing this one, so "
                         "the host's work overlaps the device's (auto: with CUDA-graph decode)")
+    e = parser.add_argument_group("mixture of experts (docs/MOE.md)")
+    e.add_argument("--experts-on", default=d.experts_on, choices=["device", "host"],
+                   help="where a MoE model's routed experts live: device (all resident) or host "
+                        "(pinned RAM, the hot ones cached on the device; implied by --expert-cache)")
+    e.add_argument("--expert-cache", type=expert_cache_arg, default=d.expert_cache, metavar="N|auto",
+                   help="experts of each layer kept in device slots, the rest in host RAM; auto: "
+                        "as many as the free device memory holds after the KV pool")
+    e.add_argument("--expert-policy", default=d.expert_policy, choices=list(POLICIES),
+                   help="which cached expert gives its slot up (default: lfru; docs/MOE.md)")
     s = parser.add_argument_group("layer split (docs/STAGES.md)")
     s.add_argument("--gpus", default=d.gpus,
                    help="split the model's layers over these devices in this process: GPU numbers "
@@ -167,6 +180,29 @@ def add_threads_argument(g: argparse._ArgumentGroup, governed: bool = True) -> N
                    help="CPU threads for torch and the C++ kernels: N forces N; auto (default) takes "
                         "the CPUs of the affinity mask, at most the cgroup's CPU quota"
                         + (fewer if governed else ""))
+
+
+def expert_cache_arg(text: str) -> str:
+    """--expert-cache: auto or a positive count."""
+    if text == "auto" or (text.isdigit() and int(text) > 0):
+        return text
+    raise argparse.ArgumentTypeError(f"must be auto or a positive number of slots, not {text!r}")
+
+
+def expert_slots(config: EngineConfig) -> str | None:
+    """The expert cache asked for: None (experts on the device), "auto" or a count as text;
+    checked before the model loads (a config built in code skips argparse)."""
+    if config.experts_on not in ("device", "host"):
+        raise BadRequest(f"--experts-on must be device or host, not {config.experts_on!r}", "experts_on")
+    if config.expert_policy not in POLICIES:
+        raise BadRequest(f"--expert-policy must be one of {', '.join(POLICIES)}, not {config.expert_policy!r}",
+                         "expert_policy")
+    if config.expert_cache is not None:
+        try:
+            return expert_cache_arg(str(config.expert_cache))
+        except argparse.ArgumentTypeError as e:
+            raise BadRequest(f"--expert-cache {e}", "expert_cache") from None
+    return "auto" if config.experts_on == "host" else None
 
 
 def threads_arg(text: str) -> int | None:

@@ -16,7 +16,14 @@ from typing import Any, Callable
 
 import torch
 
-from strata.engine.config import EngineConfig, cache_size, describe_pool, pool_chunk_size, split_of
+from strata.engine.config import (
+    EngineConfig,
+    cache_size,
+    describe_pool,
+    expert_slots,
+    pool_chunk_size,
+    split_of,
+)
 from strata.engine.controls import banned_ids, biased, controls_error
 from strata.engine.conversation_cache import ConversationCache
 from strata.engine.grammar import Grammars
@@ -43,12 +50,22 @@ from strata.errors import (
 from strata.knobs import knob_values
 from strata.kv.formats import make_format
 from strata.kv.tables import TablePool
+from strata.memory import device_memory
 from strata.models import load_model
+from strata.models.experts import (
+    CacheStats,
+    auto_slots,
+    describe_cache,
+    expert_bytes,
+    install_expert_cache,
+)
+from strata.models.moe import graph_safe
 from strata.parallel.build import PoolShape, part_on
 from strata.parallel.split_pool import SplitPool
 from strata.tokenizer import IncrementalDetokenizer
 
 log = logging.getLogger("strata.engine")
+EXPERT_RESERVE = 2 << 30  # device bytes --expert-cache auto leaves for activations and graphs
 
 _KV_AUTO = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}
 
@@ -92,13 +109,19 @@ class Engine:
 
     def _setup(self, loaded: Any) -> None:
         config = self.config
+        self.expert_stats: CacheStats | None = None  # --expert-cache's counters
         self.cpu_threads = CpuThreads(find_cores(), config.threads, torch.set_num_threads)
         split = split_of(config)
         if split is not None and loaded is not None:
             raise BadRequest("a layer split loads the model itself: pass no loaded model", "gpus")
+        slots = expert_slots(config)
+        if slots is not None and split is not None:
+            raise BadRequest("--expert-cache / --experts-on host with a layer split is not supported yet",
+                             "expert_cache")
         self.loaded = loaded or load_model(config.model, config.device, config.dtype,
                                            weights=config.weights,
-                                           place=split.place if split is not None else None)
+                                           place=split.place if split is not None else None,
+                                           experts_on_host=slots is not None)
         if self.loaded.tokenizer is None:
             raise ModelLoadError(self.loaded.path, "the model carries no tokenizer")
         if self.loaded.model.max_positions < config.max_context:
@@ -123,7 +146,10 @@ class Engine:
                          st.get("device") or st.get("address"), st.get("kv_bytes", 0) / 2**20)
         else:  # K/V in (pinned) host RAM with --kv-resident, N cells per layer on the device
             self.pool = part_on(shape, range(mc.num_layers), self.device, None)
-            self.runner = Runner(self.loaded.model, self.pool, mc.attn_scale, self.device)
+            if slots is not None:  # the experts take what the pool leaves
+                self._cache_experts(slots)
+            self.runner = Runner(self.loaded.model, self.pool, mc.attn_scale, self.device,
+                                 graphs=graph_safe(self.loaded.model))
             if self.device.type == "cpu":  # a step's time is its threads' work: the governor can judge
                 self.cpu_threads.govern()
         log.info("%s", self.cpu_threads.describe())
@@ -149,6 +175,26 @@ class Engine:
         # the server checks grammars (`engine.grammars.check`) from its threads before submitting
         self.grammars = Grammars(self.tokenizer, mc.vocab_size)
         self.masks = GrammarMasks(self.grammars.vocab_size, pin=self.device.type == "cuda")
+
+    def _cache_experts(self, slots: str) -> None:
+        """--expert-cache: the experts loaded to the host get N device slots per layer (auto:
+        what the free device memory holds, less a reserve for activations and graphs)."""
+        model = self.loaded.model
+        one, layers, experts = expert_bytes(model)
+        if not layers:
+            log.warning("--expert-cache: %s has no routed experts; nothing is cached", self.loaded.name)
+            return
+        if slots == "auto":
+            free, total = device_memory(self.device)
+            if free is None or self.device.type == "cpu":  # the host is the device: all of them
+                n = experts
+            else:
+                n = auto_slots(model, free, max(EXPERT_RESERVE, int((total or 0) * 0.05)))
+        else:
+            n = int(slots)
+        self.expert_stats = CacheStats()
+        install_expert_cache(model, n, self.device, self.expert_stats, self.config.expert_policy)
+        log.info("%s", describe_cache(self.expert_stats, one, experts, self.device))
 
     # ---- public API ---------------------------------------------------------
     def generate(self, prompt_ids: list[int], params: SamplingParams | None = None) -> RequestHandle:
@@ -227,7 +273,8 @@ class Engine:
             conversation_cache=(self.conversations.stats().as_dict()
                                 if self.conversations is not None else None),
             stages=self.runner.describe_stages(), knobs=knob_values(),
-            **memory_figures(self.loaded, self.pool), **self.cpu_threads.figures())
+            **memory_figures(self.loaded, self.pool), **self.cpu_threads.figures(),
+            expert_cache=self.expert_stats.figures() if self.expert_stats is not None else None)
         return figures
 
     def close(self) -> None:

@@ -37,11 +37,21 @@ class CacheStats:
     misses: int = 0
     bytes_uploaded: int = 0
     steps: int = 0  # layer-steps
+    token_layers: int = 0  # tokens through each cached layer, summed
     slots: dict[int, int] = field(default_factory=dict)  # layer -> slots
 
     def hit_rate(self) -> float:
         total = self.hits + self.misses
         return self.hits / total if total else 0.0
+
+    def figures(self) -> dict[str, object]:
+        """The counters as /v1/state shows them (bytes per token: uploads over tokens through
+        the model)."""
+        tokens = self.token_layers / max(1, len(self.slots))
+        return {"hit_rate": self.hit_rate(), "hits": self.hits, "misses": self.misses,
+                "bytes_uploaded": self.bytes_uploaded,
+                "bytes_per_token": self.bytes_uploaded / tokens if tokens else 0.0,
+                "slots_per_layer": min(self.slots.values(), default=0), "layers": len(self.slots)}
 
 
 class ExpertCache(nn.Module):
@@ -95,6 +105,7 @@ class ExpertCache(nn.Module):
         self.stats.hits += len(hits)
         self.stats.misses += len(misses)
         self.stats.steps += 1
+        self.stats.token_layers += int(x.shape[0])
         y = torch.empty((ids.numel(), x.shape[-1]), dtype=x.dtype, device=x.device)
         k = ids.shape[1]
         # the first round: what is resident, plus the misses that fit beside it
@@ -158,3 +169,33 @@ def install_expert_cache(model: nn.Module, slots: int, device: torch.device, sta
             continue
         layer.mlp.hold_experts(ExpertCache(experts.math, experts.tensors(), min(slots, experts.num_experts),
                                            device, i, stats, policy))
+
+
+def expert_bytes(model: nn.Module) -> tuple[int, int, int]:
+    """(bytes of one expert, sparse layers, experts per layer) of a model whose experts are
+    loaded (0s for a dense model)."""
+    for layer in model.layers:
+        experts = getattr(layer.mlp, "experts", None)
+        if experts is not None:
+            one = sum(t[0].numel() * t.element_size() for t in experts.tensors())
+            layers = sum(getattr(m.mlp, "experts", None) is not None for m in model.layers)
+            return one, layers, int(experts.num_experts)
+    return 0, 0, 0
+
+
+def auto_slots(model: nn.Module, free_bytes: int, reserve_bytes: int) -> int:
+    """Slots per layer that fit in `free_bytes` less `reserve_bytes` (at least 1; at most all)."""
+    one, layers, experts = expert_bytes(model)
+    if not layers:
+        return 0
+    fit = (free_bytes - reserve_bytes) // (one * layers)
+    return int(max(1, min(experts, fit)))
+
+
+def describe_cache(stats: CacheStats, one: int, experts: int, device: torch.device) -> str:
+    """The start-up line of an expert cache."""
+    layers = len(stats.slots)
+    slots = min(stats.slots.values(), default=0)
+    return (f"expert cache: {slots} of {experts} experts per layer on {device} ({layers} layers, "
+            f"{slots * one * layers / 2**30:.2f} GiB), all {experts} in host RAM "
+            f"({experts * one * layers / 2**30:.2f} GiB)")
