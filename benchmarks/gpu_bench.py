@@ -43,6 +43,8 @@ from benchmarks.engine_runs import (
 from benchmarks.llama_peer import llama_peer, ratios
 from strata.engine.config import EngineConfig
 from strata.engine.engine import Engine
+from strata.models.experts import ExpertCache
+from strata.models.moe import graph_safe
 
 
 def _strata_stages(args: Any, cfg: EngineConfig, lanes: list[int], lengths: list[int],
@@ -52,7 +54,8 @@ def _strata_stages(args: Any, cfg: EngineConfig, lanes: list[int], lengths: list
     from strata.models.blocks import weight_bytes as held_bytes
 
     t0 = time.perf_counter()
-    loaded = load_model(args.model, args.device, "auto", progress=False, weights=args.weights)
+    loaded = load_model(args.model, args.device, "auto", progress=False, weights=args.weights,
+                        experts_on_host=args.expert_cache is not None)
     attach_tokenizer(loaded)
     load_s = time.perf_counter() - t0
     out["load_seconds"] = load_s
@@ -74,6 +77,8 @@ def _engine_stages(args: Any, cfg: EngineConfig, loaded: Any, weight_bytes: int,
     """The figures of one engine over `loaded` (`cfg`), eager first, then through CUDA graphs;
     True when it ran on CUDA."""
     with Engine(cfg, loaded=loaded) as engine:
+        traces = [layer.mlp.experts.record() for layer in loaded.model.layers
+                  if isinstance(getattr(layer.mlp, "experts", None), ExpertCache)] if args.trace_out else []
         out["attention"] = engine.runner.context.__name__
         out["config"] = {k: getattr(cfg, k) for k in ("parallel", "max_context", "kv_pool_tokens",
                                                         "kv_chunk", "prefill_chunk")}
@@ -87,7 +92,12 @@ def _engine_stages(args: Any, cfg: EngineConfig, loaded: Any, weight_bytes: int,
             out["one_lane_limit_at_4.26TBps"] = 4.26e12 / weight_bytes
         with eager_steps(engine.runner):
             _eager_stages(args, engine, lanes, lengths, stage, tables)
-        if cuda:
+        if engine.expert_stats is not None:
+            out["expert_cache"] = engine.expert_stats.figures()
+        if traces:
+            with open(args.trace_out, "w") as f:
+                json.dump({"experts": loaded.config.num_experts, "layers": traces}, f)
+        if cuda and graph_safe(engine.loaded.model):  # an expert cache reads its routing: eager only
             use_decode_graphs(engine.runner)
             _graph_stages(args, engine, lanes, stage, tables)
     return cuda
@@ -174,6 +184,14 @@ def parser() -> argparse.ArgumentParser:
                    help="also decode one lane after a prompt of this many tokens (e.g. 32768)")
     p.add_argument("--long-kv", default="bf16,int8,k8v4",
                    help="KV formats of the --long-context runs (bf16 first: the others' ratio)")
+    p.add_argument("--expert-cache", default=None, metavar="N|auto",
+                   help="a MoE model's experts in host RAM, N per layer on the GPU (strata serve's flag)")
+    p.add_argument("--expert-policy", default="lfru", help="strata serve's --expert-policy")
+    p.add_argument("--trace-out", default=None,
+                   help="with --expert-cache: write every layer's routing (experts per step) as JSON "
+                        "for `benchmarks.expert_policy`")
+    p.add_argument("--llama-args", default="",
+                   help="extra llama.cpp arguments for both tools, e.g. '--n-cpu-moe 36'")
     p.add_argument("--out", default=None)
     p.add_argument("--profile-out", default=None)
     return p
@@ -189,7 +207,8 @@ def engine_config(args: Any, lanes: list[int], lengths: list[int]) -> EngineConf
                         max_context=max_context,
                         kv_pool_tokens=chunks * args.kv_chunk, kv_chunk=args.kv_chunk, kv=args.kv,
                         prefill_chunk=args.prefill_chunk, max_queued=4 * parallel,
-                        pipeline=args.pipeline)
+                        pipeline=args.pipeline, expert_cache=args.expert_cache,
+                        expert_policy=args.expert_policy)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -219,7 +238,8 @@ def main(argv: list[str] | None = None) -> int:
             torch.cuda.empty_cache()
     if args.llama_bench or args.llama_batched_bench:
         stage("llama_cpp", lambda: llama_peer(args.model, args.llama_bench, args.llama_batched_bench,
-                                              lanes, args.prompt_tokens, args.gen_tokens))
+                                              lanes, args.prompt_tokens, args.gen_tokens,
+                                              args.llama_args.split()))
         out["ratios"] = ratios(out)
         tg = out["llama_cpp"].get("llama_bench", {}).get("decode_tokens_per_s")
         if tg and "one_lane_limit_tokens_per_s" in out:

@@ -15,10 +15,11 @@ from strata.bench.peers import parse_llama_bench
 
 
 def llama_bench_gpu(binary: str, model: str, prompt_tokens: int = 512, gen_tokens: int = 128,
-                    reps: int = 3, timeout: float = 900) -> dict[str, Any]:
-    """llama-bench pp`prompt_tokens` and tg`gen_tokens` with all layers on the GPU (-ngl 99, -fa on)."""
+                    reps: int = 3, timeout: float = 900, extra: list[str] | None = None) -> dict[str, Any]:
+    """llama-bench pp`prompt_tokens` and tg`gen_tokens` with all layers on the GPU (-ngl 99, -fa on);
+    `extra`: more of its arguments (`--n-cpu-moe N` keeps N layers' experts on the CPU)."""
     cmd = [binary, "-m", model, "-p", str(prompt_tokens), "-n", str(gen_tokens), "-ngl", "99",
-           "-fa", "on", "-r", str(reps), "-o", "json"]
+           "-fa", "on", "-r", str(reps), "-o", "json", *(extra or [])]
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, check=True)
     return {"tool": "llama-bench", "command": " ".join(cmd), "prompt_tokens": prompt_tokens,
             "gen_tokens": gen_tokens, **parse_llama_bench(done.stdout)}
@@ -51,27 +52,28 @@ def parse_batched_bench(output: str) -> list[dict[str, float]]:
 
 
 def llama_batched_bench_gpu(binary: str, model: str, lanes: list[int], prompt_tokens: int = 512,
-                            gen_tokens: int = 128, timeout: float = 900) -> dict[str, Any]:
+                            gen_tokens: int = 128, timeout: float = 900,
+                            extra: list[str] | None = None) -> dict[str, Any]:
     """llama-batched-bench: `lanes` parallel sequences, each its own prompt, all on the GPU."""
     ctx = max(lanes) * (prompt_tokens + gen_tokens)
     cmd = [binary, "-m", model, "-c", str(ctx), "-b", "2048", "-ub", "512",
            "-npp", str(prompt_tokens), "-ntg", str(gen_tokens),
            "-npl", ",".join(str(n) for n in lanes), "-ngl", "99", "-fa", "on",
-           "--output-format", "jsonl"]
+           "--output-format", "jsonl", *(extra or [])]
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, check=True)
     return {"tool": "llama-batched-bench", "command": " ".join(cmd),
             "rows": parse_batched_bench(done.stdout)}
 
 
 def llama_peer(model: str, bench: str | None, batched: str | None, lanes: list[int],
-               prompt_tokens: int, gen_tokens: int) -> dict[str, Any]:
+               prompt_tokens: int, gen_tokens: int, extra: list[str] | None = None) -> dict[str, Any]:
     """llama.cpp's llama-bench and llama-batched-bench on `model` (each when given)."""
     out: dict[str, Any] = {}
     if bench:
-        out["llama_bench"] = llama_bench_gpu(bench, model, prompt_tokens, gen_tokens)
+        out["llama_bench"] = llama_bench_gpu(bench, model, prompt_tokens, gen_tokens, extra=extra)
     if batched:
         out["llama_batched_bench"] = llama_batched_bench_gpu(batched, model, lanes, prompt_tokens,
-                                                             gen_tokens)
+                                                             gen_tokens, extra=extra)
     return out
 
 
@@ -79,8 +81,10 @@ def ratios(out: dict[str, Any]) -> dict[str, float]:
     """Strata / llama.cpp for every figure both measured (above 1: Strata is faster)."""
     r: dict[str, float] = {}
     peer = out.get("llama_cpp", {})
-    strata_decode = {d["lanes"]: d["decode_tokens_per_s"] for d in out.get("decode_graphs", [])
-                     if isinstance(d, dict) and "lanes" in d}
+    runs = out.get("decode_graphs")
+    if not isinstance(runs, list):  # no graphs (an expert cache): the eager decode
+        runs = out.get("decode", [])
+    strata_decode = {d["lanes"]: d["decode_tokens_per_s"] for d in runs if isinstance(d, dict) and "lanes" in d}
     strata_prompt = {p["prompt_tokens"]: p["prompt_tokens_per_s"] for p in out.get("prompt", [])
                      if isinstance(p, dict) and "prompt_tokens" in p}
     lb = peer.get("llama_bench", {})

@@ -85,7 +85,13 @@ class ExpertCache(nn.Module):
         self.held: list[int] = [-1] * slots  # slot -> expert
         self.usage = ExpertUsage(experts)
         self.copies = torch.cuda.Stream(device) if pin else None
-        self.trace: list[list[int]] | None = None  # set to [] to record each step's experts
+        self.trace: list[list[int]] | None = None  # each step's experts, once `record` is called
+
+    def record(self) -> list[list[int]]:
+        """Start keeping the experts of every step from now on (the routing traces the policies
+        are compared on, `benchmarks/expert_policy.py`); returns the list that fills."""
+        self.trace = []
+        return self.trace
 
     def host_tensors(self) -> list[torch.Tensor]:
         return [getattr(self, f"host{i}") for i in range(self.parts)]

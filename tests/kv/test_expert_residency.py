@@ -50,3 +50,13 @@ def test_simulate_counts_hits_and_misses() -> None:
     assert simulate(trace, 4, 2, "lru") == (4, 4)
     assert simulate(trace, 4, 3, "lru") == (5, 3)  # nothing evicted: only first uses miss
     assert simulate(trace, 4, 2, "lfu") == (4, 4)
+
+
+def test_policy_benchmark_replays_every_layer() -> None:
+    from benchmarks.expert_policy import compare
+
+    trace = {"experts": 4, "layers": [[[0, 1], [0, 1], [0, 2], [0, 1]], [[3], [3], [2], [3]]]}
+    rows = compare(trace, [2], [16.0])
+    lru = next(r for r in rows if r["policy"] == "lru")
+    assert (lru["hits"], lru["misses"]) == (4 + 2, 4 + 2)
+    assert min(r["misses_vs_best"] for r in rows) == 1.0
