@@ -252,12 +252,11 @@ def t_bucket(tokens: int) -> int:
     return 1 if tokens <= 1 else 16 if tokens <= 16 else 64 if tokens <= 64 else 512
 
 
-def default_config(tokens: int, e: int, h: int, i: int, top_k: int, dtype: torch.dtype,
-                   key: tuple = ()) -> Config:
+def default_config(tokens: int, e: int, h: int, i: int, top_k: int, dtype: torch.dtype) -> Config:
     """CONFIGS[(bucket, E, H, I) + key] if measured, else: blocks of 16 pairs while experts see
     16 pairs or fewer on average (decode: weight traffic dominates, padding is cheap), else 64;
     narrow column tiles for few pairs so every SM streams weights; as many stages as fit."""
-    from_table = CONFIGS.get((t_bucket(tokens), e, h, i) + key)
+    from_table = CONFIGS.get((t_bucket(tokens), e, h, i))
     if from_table is not None:
         return from_table
     per_expert = tokens * top_k / max(1, e)
