@@ -262,8 +262,7 @@ def default_config(tokens: int, e: int, h: int, i: int, top_k: int, dtype: torch
     per_expert = tokens * top_k / max(1, e)
     block_m = 16 if per_expert <= 16 else 64
     bn = 32 if tokens <= 16 else 64
-    size = torch.empty((), dtype=dtype).element_size()
-    stage_bytes = (block_m + 2 * bn) * BLOCK_K * size
+    stage_bytes = (block_m + 2 * bn) * BLOCK_K * dtype.itemsize
     return block_m, bn, 2 * bn, 4, max(1, min(3, (160 << 10) // stage_bytes))
 
 
@@ -354,8 +353,11 @@ def _combine_kernel(y, ids, wts, out, H: tl.constexpr, TOP_K: tl.constexpr, KP: 
 
 def combine(y: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor) -> torch.Tensor:
     """out [T, H]: out[t] = sum of round(y[t * k + j] * w[t, j]) over the slots in ascending
-    id order, rounded after each addition (ids distinct per token); w in y's dtype."""
+    id order, rounded after each addition (ids distinct per token); y [T * k, H] or [T, k, H],
+    w [T, k] in y's dtype."""
     t, k = topk_ids.shape
+    if y.dim() == 3 and y.shape[:2] == (t, k):
+        y = y.reshape(t * k, y.shape[2])
     if y.dim() != 2 or y.shape[0] != t * k or not y.is_contiguous() \
             or topk_weights.shape != (t, k) or topk_weights.dtype != y.dtype:
         raise ValueError(f"combine: y {tuple(y.shape)} {y.dtype}, ids {tuple(topk_ids.shape)}, "
