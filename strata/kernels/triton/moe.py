@@ -21,7 +21,10 @@ each partial sum. Exactness: every output row is a sum over K in ascending
 tiles of the one BLOCK_K, each tile a `tl.dot` of one fixed shape per launch
 config, accumulated in float32 (no split-K, no atomics). A row's value thus
 depends on its own inputs and the config only: not on the other tokens of
-the launch, their number, or where in its block the row lands.
+the launch, their number, or where in its block the row lands. The launch
+rule picks other tile shapes (BLOCK_M, BLOCK_N) for more tokens, which keeps
+the order over K; that the tensor cores then give the same bits is what
+tests/gpu/test_moe_kernels.py's batch-invariance test checks on the device.
 
 The GGUF-block variant (`moe_blocks.py`) runs these same kernels with the
 weight tile decoded from the blocks in column order (QT > 0), so with the

@@ -98,9 +98,10 @@ def moe_blocks(x: torch.Tensor, gate_blocks: torch.Tensor, up_blocks: torch.Tens
     """moe.moe with the experts in blocks: gate and up [E * I, ...] of gate_qtype, down
     [E * H, ...] of down_qtype (E, I from the shapes)."""
     h = x.shape[1]
-    i = down_blocks.shape[1] // TYPES[down_qtype].size * TYPES[down_qtype].block \
-        if takes(down_qtype) else 0
-    if not takes_blocks(x, gate_qtype, down_qtype, i) or gate_blocks.shape[0] % i \
+    bt = TYPES.get(down_qtype)
+    row = down_blocks.shape[1] if down_blocks.dim() == 2 else 0
+    i = row // bt.size * bt.block if bt is not None and row % bt.size == 0 else 0
+    if i == 0 or not takes_blocks(x, gate_qtype, down_qtype, i) or gate_blocks.shape[0] % i \
             or down_blocks.shape[0] != gate_blocks.shape[0] // i * h:
         raise ValueError(f"moe_blocks: x {tuple(x.shape)} {x.dtype}, gate/up "
                          f"{tuple(gate_blocks.shape)} of {gate_qtype}, down "
