@@ -20,13 +20,14 @@ from gguf import GGMLQuantizationType
 from torch import nn
 
 from strata.models.blocks import block_product, row_bytes
-from strata.models.moe import combine_loop
+from strata.models.moe import combine_loop, combine_ordered
 
 try:  # the CPU machines and CI have no Triton
     from strata.kernels.triton import blocks as triton_blocks
+    from strata.kernels.triton import moe as triton_moe
     from strata.kernels.triton import moe_blocks as triton_moe_blocks
 except ImportError:
-    triton_blocks = triton_moe_blocks = None  # type: ignore[assignment]
+    triton_blocks = triton_moe = triton_moe_blocks = None  # type: ignore[assignment]
 
 
 class BlockMath:
@@ -38,8 +39,20 @@ class BlockMath:
         self.packed = packed
 
     def fused(self, x: torch.Tensor, tensors: Sequence[torch.Tensor]) -> bool:
-        return (triton_moe_blocks is not None and x.is_cuda and self.qtypes[0] == self.qtypes[1]
-                and triton_moe_blocks.takes(x, int(self.qtypes[0]), int(self.qtypes[2])))
+        """Whether the fused block kernels take x and these [E, N, row_bytes] experts."""
+        if triton_moe_blocks is None or not x.is_cuda or self.qtypes[0] != self.qtypes[1]:
+            return False
+        ffn = int(tensors[0].shape[1])
+        return triton_moe_blocks.takes_blocks(x, int(self.qtypes[0]), int(self.qtypes[2]), ffn)
+
+    def config(self, tensors: Sequence[torch.Tensor], tokens: int, k: int, dtype: torch.dtype) -> object:
+        """The launch shape of a step (an expert cache passes the full layer's; see DenseMath)."""
+        if triton_moe_blocks is None:
+            return None
+        e, i = int(tensors[0].shape[0]), int(tensors[0].shape[1])
+        h = int(tensors[2].shape[1])
+        key = (triton_moe.t_bucket(tokens), e, h, i, int(self.qtypes[0]), int(self.qtypes[2]))
+        return triton_moe_blocks.BLOCK_CONFIGS.get(key) or triton_moe.default_config(tokens, e, h, i, k, dtype)
 
     def _swiglu(self, s: int, rows: torch.Tensor, tensors: Sequence[torch.Tensor]) -> torch.Tensor:
         gate, up, down = (t[s] for t in tensors)
@@ -48,11 +61,19 @@ class BlockMath:
         u = block_product(rows, qu, up, self.packed, None)
         return block_product((F.silu(g) * u).contiguous(), qd, down, self.packed, None)
 
-    def pairs(self, rows: torch.Tensor, tensors: Sequence[torch.Tensor], slots: torch.Tensor) -> torch.Tensor:
+    def pairs(self, rows: torch.Tensor, tensors: Sequence[torch.Tensor], slots: torch.Tensor,
+              config: object) -> torch.Tensor:
         """rows [P, H], each with its own expert (slots [P]) -> [P, H]."""
-        if self.fused(rows, tensors):
-            assert triton_moe_blocks is not None
-            return triton_moe_blocks.pairs_blocks(rows, *tensors, self.qtypes, slots, packed=self.packed)
+        if config is not None and self.fused(rows, tensors):
+            assert triton_moe_blocks is not None and triton_moe is not None
+            bm, bn_gu, bn_d, warps, stages = config  # type: ignore[misc]
+            gate, up, down = (t.view(-1, t.shape[2]) for t in tensors)
+            i, h = int(tensors[0].shape[1]), int(tensors[2].shape[1])
+            a = triton_moe.align(slots.view(-1, 1), int(tensors[0].shape[0]), bm)
+            act = triton_moe_blocks.expert_gate_up_blocks(rows, gate, up, int(self.qtypes[0]), i, a, 1,
+                                                          self.packed, block_n=bn_gu, warps=warps, stages=stages)
+            return triton_moe_blocks.expert_down_blocks(act, down, int(self.qtypes[2]), h, a, 1, self.packed,
+                                                        block_n=bn_d, warps=warps, stages=stages)
         ones = torch.ones(slots.numel(), 1, dtype=rows.dtype, device=rows.device)
         return combine_loop(rows, slots.view(-1, 1), ones, lambda s, r: self._swiglu(s, r, tensors))
 
@@ -60,8 +81,15 @@ class BlockMath:
             weights: torch.Tensor) -> torch.Tensor:
         if self.fused(x, tensors):
             assert triton_moe_blocks is not None
-            return triton_moe_blocks.moe_blocks(x, *tensors, self.qtypes, ids, weights, packed=self.packed)
+            gate, up, down = (t.view(-1, t.shape[2]) for t in tensors)
+            return triton_moe_blocks.moe_blocks(x, gate, up, down, int(self.qtypes[0]), int(self.qtypes[2]),
+                                                ids, weights, self.packed)
         return combine_loop(x, ids, weights, lambda e, r: self._swiglu(e, r, tensors))
+
+    def combine(self, y: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        if triton_moe is not None and triton_moe.takes(y):
+            return triton_moe.combine(y, ids, weights)
+        return combine_ordered(y, ids, weights)
 
 
 class BlockExperts(nn.Module):
@@ -82,11 +110,12 @@ class BlockExperts(nn.Module):
             qtypes.append(qtype)
         self.math = BlockMath((qtypes[0], qtypes[1], qtypes[2]), packed)
         self.num_experts = int(parts[0][1].shape[0])
+        self.hidden = hidden
 
     @property
     def graph_safe(self) -> bool:
-        x = torch.empty(1, 1, device=self.gate.device)
-        return x.is_cuda and self.math.fused(x, self.tensors())
+        return self.gate.is_cuda and self.math.fused(
+            torch.empty(1, self.hidden, dtype=torch.bfloat16, device=self.gate.device), self.tensors())
 
     def tensors(self) -> list[torch.Tensor]:
         return [self.gate, self.up, self.down]

@@ -26,7 +26,6 @@ import torch
 from torch import nn
 
 from strata.kv.expert_residency import DEFAULT_POLICY, ExpertUsage, evict_order
-from strata.models.moe import combine_ordered
 
 
 @dataclass
@@ -85,6 +84,7 @@ class ExpertCache(nn.Module):
         self.held: list[int] = [-1] * slots  # slot -> expert
         self.usage = ExpertUsage(experts)
         self.copies = torch.cuda.Stream(device) if pin else None
+        self.launch: object = None  # the fused kernels' launch shape of the current step
         self.trace: list[list[int]] | None = None  # each step's experts, once `record` is called
 
     def record(self) -> list[list[int]]:
@@ -114,6 +114,7 @@ class ExpertCache(nn.Module):
         self.stats.token_layers += int(x.shape[0])
         y = torch.empty((ids.numel(), x.shape[-1]), dtype=x.dtype, device=x.device)
         k = ids.shape[1]
+        self.launch = self.math.config(self.host_tensors(), int(x.shape[0]), k, x.dtype)  # all E's
         # the first round: what is resident, plus the misses that fit beside it
         room = self.num_slots - len(hits)
         rounds = [misses[i : i + self.num_slots] for i in range(room, len(misses), self.num_slots)]
@@ -127,7 +128,7 @@ class ExpertCache(nn.Module):
             self._upload(group, set(group), after)
             self._compute(x, ids, k, group, y)
         self.usage.record(need)
-        return combine_ordered(y, ids, weights)
+        return self.math.combine(y, ids, weights)
 
     def _upload(self, experts: list[int], needed: set[int], after: torch.cuda.Event | None) -> None:
         """Copy `experts` into slots that hold nothing or an expert outside `needed`, on the copy
@@ -163,7 +164,7 @@ class ExpertCache(nn.Module):
         slots = lut.to(ids.device)[ids.reshape(-1)]
         pairs = torch.nonzero(slots >= 0).view(-1)
         rows = x.index_select(0, pairs // k)
-        y[pairs] = self.math.pairs(rows, self.slot_tensors(), slots[pairs])
+        y[pairs] = self.math.pairs(rows, self.slot_tensors(), slots[pairs], self.launch)
 
 
 def install_expert_cache(model: nn.Module, slots: int, device: torch.device, stats: CacheStats,

@@ -90,15 +90,25 @@ def swiglu(x: torch.Tensor, gate: torch.Tensor, up: torch.Tensor, down: torch.Te
 class DenseMath:
     """The products of experts held as dense [E, I, H] / [E, H, I] tensors (gate, up, down)."""
 
-    def pairs(self, rows: torch.Tensor, tensors: Sequence[torch.Tensor], slots: torch.Tensor) -> torch.Tensor:
+    def config(self, tensors: Sequence[torch.Tensor], tokens: int, k: int, dtype: torch.dtype) -> object:
+        """The fused kernels' launch shape for a step of `tokens` x `k` pairs over these
+        experts: an expert cache passes the full layer's, so its products are the same launches'."""
+        if triton_moe is None:
+            return None
+        e, i, h = tensors[0].shape
+        return triton_moe.default_config(tokens, int(e), int(h), int(i), k, dtype)
+
+    def pairs(self, rows: torch.Tensor, tensors: Sequence[torch.Tensor], slots: torch.Tensor,
+              config: object) -> torch.Tensor:
         """rows [P, H], each with its own expert (slots [P], indices into the tensors) -> [P, H]."""
         gate, up, down = tensors
-        if triton_moe is not None and triton_moe.takes(rows, gate, up, down):
-            a = triton_moe.align(slots.view(-1, 1), int(gate.shape[0]), triton_moe.block_m_for(rows.shape[0]))
-            act = triton_moe.expert_gate_up(rows, gate, up, a, 1)
-            return triton_moe.expert_down(act, down, a, 1)
-        return combine_loop(rows, slots.view(-1, 1), torch.ones_like(slots, dtype=rows.dtype).view(-1, 1),
-                            lambda s, r: swiglu(r, gate[s], up[s], down[s]))
+        if config is not None and triton_moe is not None and triton_moe.takes(rows, gate, up, down):
+            bm, bn_gu, bn_d, warps, stages = config  # type: ignore[misc]
+            a = triton_moe.align(slots.view(-1, 1), int(gate.shape[0]), bm)
+            act = triton_moe.expert_gate_up(rows, gate, up, a, 1, block_n=bn_gu, warps=warps, stages=stages)
+            return triton_moe.expert_down(act, down, a, 1, block_n=bn_d, warps=warps, stages=stages)
+        ones = torch.ones(slots.numel(), 1, dtype=rows.dtype, device=rows.device)
+        return combine_loop(rows, slots.view(-1, 1), ones, lambda s, r: swiglu(r, gate[s], up[s], down[s]))
 
     def all(self, x: torch.Tensor, tensors: Sequence[torch.Tensor], ids: torch.Tensor,
             weights: torch.Tensor) -> torch.Tensor:
@@ -107,6 +117,12 @@ class DenseMath:
         if triton_moe is not None and triton_moe.takes(x, gate, up, down):
             return triton_moe.moe(x, gate, up, down, ids, weights)
         return combine_loop(x, ids, weights, lambda e, r: swiglu(r, gate[e], up[e], down[e]))
+
+    def combine(self, y: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        """y [T * k, H] summed per token as `combine_loop` sums (the fused kernel on CUDA)."""
+        if triton_moe is not None and triton_moe.takes(y):
+            return triton_moe.combine(y, ids, weights)
+        return combine_ordered(y, ids, weights)
 
 
 class Experts(nn.Module):
