@@ -112,21 +112,25 @@ class ExpertCache(nn.Module):
         self.stats.misses += len(misses)
         self.stats.steps += 1
         self.stats.token_layers += int(x.shape[0])
-        y = torch.empty((ids.numel(), x.shape[-1]), dtype=x.dtype, device=x.device)
         k = ids.shape[1]
         self.launch = self.math.config(self.host_tensors(), int(x.shape[0]), k, x.dtype)  # all E's
-        # the first round: what is resident, plus the misses that fit beside it
-        room = self.num_slots - len(hits)
-        rounds = [misses[i : i + self.num_slots] for i in range(room, len(misses), self.num_slots)]
-        first_misses = misses[:room]
         start = torch.cuda.current_stream(x.device).record_event() if self.copies is not None else None
-        self._compute(x, ids, k, hits, y)  # overlaps the copies of the first misses, which
-        self._upload(first_misses, set(need), start)  # only wait for the steps before this one
-        self._compute(x, ids, k, first_misses, y)
-        for group in rounds:  # evicts experts computed above: after their products
-            after = torch.cuda.current_stream(x.device).record_event() if self.copies is not None else None
-            self._upload(group, set(group), after)
-            self._compute(x, ids, k, group, y)
+        if len(need) <= self.num_slots:  # one pass: the misses copied in, then every pair at once
+            self._upload(misses, set(need), start)
+            slots = torch.tensor(self.slot_of, dtype=torch.int64).to(x.device)[ids.reshape(-1)]
+            rows = x if k == 1 else x.repeat_interleave(k, dim=0)
+            y = self.math.pairs(rows, self.slot_tensors(), slots, self.launch)
+        else:  # rounds of at most N experts: what is resident first, beside the first copies
+            y = torch.empty((ids.numel(), x.shape[-1]), dtype=x.dtype, device=x.device)
+            room = self.num_slots - len(hits)
+            self._compute(x, ids, k, hits, y)  # overlaps the copies of the first misses, which
+            self._upload(misses[:room], set(need), start)  # only wait for the steps before this one
+            self._compute(x, ids, k, misses[:room], y)
+            for at in range(room, len(misses), self.num_slots):  # evicts experts computed above
+                group = misses[at : at + self.num_slots]
+                after = torch.cuda.current_stream(x.device).record_event() if self.copies is not None else None
+                self._upload(group, set(group), after)
+                self._compute(x, ids, k, group, y)
         self.usage.record(need)
         return self.math.combine(y, ids, weights)
 

@@ -84,7 +84,7 @@ def test_graphs_equal_eager(files: dict[str, Path]) -> None:
 
 
 def test_block_experts_hold_the_files_bytes(files: dict[str, Path]) -> None:
-    loaded = load_model(str(files["Q4_K_M"]), device="cuda", dtype="bfloat16", progress=False)
+    loaded = load_model(str(files["Q4_K_M"]), device="cuda", dtype="bfloat16", weights="auto", progress=False)
     assert loaded.weights == "gguf"
     assert all(isinstance(layer.mlp.experts, BlockExperts) for layer in loaded.model.layers)
     held = weight_bytes(loaded.model)["cuda:0"]
