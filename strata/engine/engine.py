@@ -180,7 +180,7 @@ class Engine:
         """--expert-cache: the experts loaded to the host get N device slots per layer (auto:
         what the free device memory holds, less a reserve for activations and graphs)."""
         model = self.loaded.model
-        one, layers, experts = expert_bytes(model)
+        _, layers, experts = expert_bytes(model)
         if not layers:
             log.warning("--expert-cache: %s has no routed experts; nothing is cached", self.loaded.name)
             return
@@ -194,7 +194,7 @@ class Engine:
             n = int(slots)
         self.expert_stats = CacheStats()
         install_expert_cache(model, n, self.device, self.expert_stats, self.config.expert_policy)
-        log.info("%s", describe_cache(self.expert_stats, one, experts, self.device))
+        log.info("%s", describe_cache(model, self.device))
 
     # ---- public API ---------------------------------------------------------
     def generate(self, prompt_ids: list[int], params: SamplingParams | None = None) -> RequestHandle:

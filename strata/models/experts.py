@@ -203,10 +203,16 @@ def auto_slots(model: nn.Module, free_bytes: int, reserve_bytes: int) -> int:
     return int(max(1, min(experts, fit)))
 
 
-def describe_cache(stats: CacheStats, one: int, experts: int, device: torch.device) -> str:
-    """The start-up line of an expert cache."""
-    layers = len(stats.slots)
-    slots = min(stats.slots.values(), default=0)
-    return (f"expert cache: {slots} of {experts} experts per layer on {device} ({layers} layers, "
-            f"{slots * one * layers / 2**30:.2f} GiB), all {experts} in host RAM "
-            f"({experts * one * layers / 2**30:.2f} GiB)")
+def describe_cache(model: nn.Module, device: torch.device) -> str:
+    """The start-up line of an expert cache: slots per layer, their bytes on the device, and the
+    experts' bytes in host RAM."""
+    caches = [layer.mlp.experts for layer in model.layers
+              if isinstance(getattr(layer.mlp, "experts", None), ExpertCache)]
+    if not caches:
+        return "expert cache: none"
+    slots = min(c.num_slots for c in caches)
+    experts = caches[0].num_experts
+    on_device = sum(c.num_slots * c.expert_bytes for c in caches)
+    on_host = sum(c.num_experts * c.expert_bytes for c in caches)
+    return (f"expert cache: {slots} of {experts} experts per layer on {device} ({len(caches)} layers, "
+            f"{on_device / 2**30:.2f} GiB), all {experts} in host RAM ({on_host / 2**30:.2f} GiB)")
