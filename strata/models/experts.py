@@ -26,6 +26,7 @@ import torch
 from torch import nn
 
 from strata.kv.expert_residency import DEFAULT_POLICY, ExpertUsage, evict_order
+from strata.models.moe import ExpertMath
 
 
 @dataclass
@@ -60,7 +61,7 @@ class ExpertCache(nn.Module):
     tensors; `host`: the holder's expert-major tensors (moved to pinned memory here).
     """
 
-    def __init__(self, math: object, host: list[torch.Tensor], slots: int, device: torch.device,
+    def __init__(self, math: ExpertMath, host: list[torch.Tensor], slots: int, device: torch.device,
                  layer: int, stats: CacheStats, policy: str = DEFAULT_POLICY) -> None:
         super().__init__()
         experts = int(host[0].shape[0])

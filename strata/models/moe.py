@@ -22,6 +22,7 @@ rows do not depend on how many rows there are).
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from typing import Protocol
 
 import torch
 import torch.nn.functional as F
@@ -35,6 +36,21 @@ except ImportError:
     triton_moe = None  # type: ignore[assignment]
 
 Product = Callable[[int, torch.Tensor], torch.Tensor]  # (expert, rows [n, H]) -> SwiGLU rows [n, H]
+
+
+class ExpertMath(Protocol):
+    """How a holder's experts are multiplied, given the tensors to read (its own, or a cache's
+    slots): `DenseMath` here, `block_experts.BlockMath`."""
+
+    def config(self, tensors: Sequence[torch.Tensor], tokens: int, k: int, dtype: torch.dtype) -> object: ...
+
+    def pairs(self, rows: torch.Tensor, tensors: Sequence[torch.Tensor], slots: torch.Tensor,
+              config: object) -> torch.Tensor: ...
+
+    def all(self, x: torch.Tensor, tensors: Sequence[torch.Tensor], ids: torch.Tensor,
+            weights: torch.Tensor) -> torch.Tensor: ...
+
+    def combine(self, y: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor: ...
 
 
 def route(logits: torch.Tensor, k: int, normalise: bool, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
