@@ -23,4 +23,8 @@ class Architecture:
     # Mixture of experts: whether a GGUF file's top-k weights are renormalised when the file does
     # not say (`{arch}.expert_weights_norm`); llama.cpp fixes it per architecture.
     gguf_norm_topk: bool = True
+    hf_norm_topk: bool | None = None  # fixed for the architecture; None: config.json's norm_topk_prob
+    # an HF checkpoint's names of a sparse layer: the MLP's module, then each expert's gate, up
+    # and down matrices (Qwen: mlp.experts.{e}.gate_proj; Mixtral: block_sparse_moe.experts.{e}.w1)
+    hf_experts: tuple[str, str, str, str] = ("mlp", "gate_proj", "up_proj", "down_proj")
     model_class: type[DecoderModel] = DecoderModel

@@ -104,6 +104,8 @@ def config_from_hf(path: str, d: dict[str, Any]) -> tuple[Architecture, ModelCon
     )
     if experts:
         _hf_experts(path, d, cfg, experts, layers)
+        if arch.hf_norm_topk is not None:
+            cfg.norm_topk_prob = arch.hf_norm_topk
     return arch, cfg
 
 

@@ -204,7 +204,7 @@ def _open_folder(p: Path) -> Opened:
     def tokenizer() -> Tokenizer | None:
         return Tokenizer.from_folder(p) if (p / "tokenizer.json").is_file() else None
 
-    return source, arch, cfg, lambda name, rows: hf_parts(name, rows, cfg), tokenizer
+    return source, arch, cfg, lambda name, rows: hf_parts(name, rows, cfg, arch), tokenizer
 
 
 def _generation_eos(p: Path) -> list[int]:

@@ -42,13 +42,13 @@ _HF_LAYER = {
     "self_attn.qkv_proj.weight": [f"self_attn.{p}_proj.weight" for p in "qkv"],
     "self_attn.qkv_proj.bias": [f"self_attn.{p}_proj.bias" for p in "qkv"],
     "mlp.gate_up_proj.weight": ["mlp.gate_proj.weight", "mlp.up_proj.weight"],
-    "mlp.router.weight": ["mlp.gate.weight"],
     "mlp.shared.gate_up_proj.weight": ["mlp.shared_expert.gate_proj.weight", "mlp.shared_expert.up_proj.weight"],
     "mlp.shared.down_proj.weight": ["mlp.shared_expert.down_proj.weight"],
     "mlp.shared_gate.weight": ["mlp.shared_expert_gate.weight"],
 }
-# a sparse layer's experts: one stored matrix per expert, stacked (`Part.reshape`)
-_HF_EXPERTS = {"mlp.experts.gate": "gate_proj", "mlp.experts.up": "up_proj", "mlp.experts.down": "down_proj"}
+# a sparse layer's experts: one stored matrix per expert, stacked (`Part.reshape`); the names
+# come from `Architecture.hf_experts`
+_HF_EXPERTS = {"mlp.experts.gate": 1, "mlp.experts.up": 2, "mlp.experts.down": 3}
 
 _GGUF_LAYER = {
     "input_layernorm.weight": ["attn_norm.weight"],
@@ -84,7 +84,7 @@ def _rows(cfg: ModelConfig, rest: str, rows: int, n: int) -> list[int]:
     return [rows // n] * n
 
 
-def hf_parts(param: str, rows: int, cfg: ModelConfig) -> list[Part]:
+def hf_parts(param: str, rows: int, cfg: ModelConfig, arch: Architecture) -> list[Part]:
     """Parts of `param` in a Hugging Face checkpoint (names under "model.")."""
     if param == "lm_head.weight":
         return [Part("lm_head.weight", rows)]
@@ -92,9 +92,12 @@ def hf_parts(param: str, rows: int, cfg: ModelConfig) -> list[Part]:
     if m is None:
         return [Part(f"model.{param}", rows)]
     layer, rest = m.groups()
+    moe = arch.hf_experts
     if rest in _HF_EXPERTS:
-        return [Part(f"model.layers.{layer}.mlp.experts.{e}.{_HF_EXPERTS[rest]}.weight", 1, reshape=True)
+        return [Part(f"model.layers.{layer}.{moe[0]}.experts.{e}.{moe[_HF_EXPERTS[rest]]}.weight", 1, reshape=True)
                 for e in range(rows)]
+    if rest == "mlp.router.weight":
+        return [Part(f"model.layers.{layer}.{moe[0]}.gate.weight", rows)]
     names = _HF_LAYER[rest]
     counts = _rows(cfg, rest, rows, len(names))
     return [Part(f"model.layers.{layer}.{n}", r) for n, r in zip(names, counts, strict=True)]

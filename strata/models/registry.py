@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from strata.models import llama, qwen2, qwen2_moe, qwen3, qwen3_moe
+from strata.models import llama, mixtral, qwen2, qwen2_moe, qwen3, qwen3_moe
 from strata.models.architecture import Architecture
 
 ARCHITECTURES: dict[str, Architecture] = {
@@ -11,6 +11,7 @@ ARCHITECTURES: dict[str, Architecture] = {
         llama.ARCH,
         qwen2.ARCH,
         qwen3.ARCH,
+        mixtral.ARCH,
         qwen2_moe.ARCH,
         qwen3_moe.ARCH,
     )

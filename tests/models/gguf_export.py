@@ -71,7 +71,7 @@ def _add_experts(w: GGUFWriter, cfg) -> None:
         return
     w.add_expert_count(experts)
     w.add_expert_used_count(cfg.num_experts_per_tok)
-    w.add_expert_feed_forward_length(cfg.moe_intermediate_size)
+    w.add_expert_feed_forward_length(getattr(cfg, "moe_intermediate_size", None) or cfg.intermediate_size)
     if getattr(cfg, "shared_expert_intermediate_size", 0):
         w.add_expert_shared_feed_forward_length(cfg.shared_expert_intermediate_size)
 

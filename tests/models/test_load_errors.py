@@ -51,13 +51,13 @@ def test_unsupported_architecture_in_folder(tmp_path) -> None:
     save_tiny("llama_plain", tmp_path)
     edit_config(tmp_path, model_type="gpt2", architectures=["GPT2LMHeadModel"])
     problem = load_error(tmp_path).problem
-    assert "unsupported architecture gpt2" in problem and "llama, qwen2, qwen2moe, qwen3, qwen3moe" in problem
+    assert "unsupported architecture gpt2" in problem and "llama, mixtral, qwen2, qwen2moe, qwen3, qwen3moe" in problem
 
 
 def test_unsupported_architecture_in_gguf(tmp_path) -> None:
     path = write_gguf(tiny_hf_model("llama_plain"), tmp_path / "t.gguf", "falcon")
     problem = load_error(path).problem
-    assert "unsupported architecture falcon" in problem and "llama, qwen2, qwen2moe, qwen3, qwen3moe" in problem
+    assert "unsupported architecture falcon" in problem and "llama, mixtral, qwen2, qwen2moe, qwen3, qwen3moe" in problem
 
 
 def test_unsupported_rope_scaling(tmp_path) -> None:

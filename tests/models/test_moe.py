@@ -20,7 +20,7 @@ from strata.errors import ModelLoadError
 from strata.models import load_model
 from strata.models.moe import SparseMLP, combine_loop, route
 
-ARCH_OF = {"qwen3_moe": "qwen3moe", "qwen2_moe": "qwen2moe"}
+ARCH_OF = {"qwen3_moe": "qwen3moe", "qwen2_moe": "qwen2moe", "mixtral": "llama"}  # llama.cpp: mixtral is llama
 TYPES = {"ffn_gate_exps.weight": Q.Q8_0, "ffn_up_exps.weight": Q.Q4_0, "ffn_down_exps.weight": Q.Q8_0,
          "attn_q.weight": Q.Q8_0}
 
@@ -49,8 +49,10 @@ def test_quantized_gguf_matches_its_weights(kind: str, tmp_path) -> None:
     torch.testing.assert_close(prompt_logits(loaded, PROMPT), hf_logits(ref, PROMPT), atol=1e-4, rtol=1e-4)
     assert greedy(loaded, PROMPT, 24) == hf_greedy(ref, PROMPT, 24)
     cfg = loaded.config
-    assert (cfg.num_experts, cfg.expert_ffn) == (8, 64)
-    if kind == "qwen2_moe":  # llama.cpp's rule for this architecture: weights not renormalised
+    assert (cfg.num_experts, cfg.expert_ffn) == ((4, 64) if kind == "mixtral" else (8, 64))
+    if kind == "mixtral":  # a llama file with experts: renormalised top 2
+        assert (cfg.arch, cfg.norm_topk_prob, cfg.experts_per_token) == ("llama", True, 2)
+    elif kind == "qwen2_moe":  # llama.cpp's rule for this architecture: weights not renormalised
         assert (cfg.norm_topk_prob, cfg.shared_expert_ffn, cfg.dense_layers) == (False, 96, (1,))
     else:
         assert (cfg.norm_topk_prob, cfg.experts_per_token, cfg.dense_layers) == (True, 2, ())

@@ -15,6 +15,7 @@ import torch
 from transformers import (
     AutoModelForCausalLM,
     LlamaConfig,
+    MixtralConfig,
     Qwen2Config,
     Qwen2MoeConfig,
     Qwen3Config,
@@ -61,6 +62,10 @@ CONFIGS = {
     "qwen2_moe": lambda: Qwen2MoeConfig(**COMMON, num_experts=8, num_experts_per_tok=3,
                                         moe_intermediate_size=64, shared_expert_intermediate_size=96,
                                         mlp_only_layers=[1]),
+    # llama's attention, 4 experts, 2 a token, always renormalised; experts named w1/w3/w2
+    "mixtral": lambda: MixtralConfig(**{**COMMON, "intermediate_size": 64}, num_local_experts=4,
+                                     num_experts_per_tok=2, rope_parameters={"rope_type": "default",
+                                                                             "rope_theta": 10000.0}),
     # transformers' GGUF loader ignores qwen3's key_length and assumes 128
     "qwen3_hd128": lambda: Qwen3Config(**COMMON, head_dim=128),
 }
