@@ -85,6 +85,10 @@ class ExpertCache(nn.Module):
         self.held: list[int] = [-1] * slots  # slot -> expert
         self.usage = ExpertUsage(experts)
         self.copies = torch.cuda.Stream(device) if pin else None
+        # expert -> slot on the device, filled from a pinned host copy without a stall: the host
+        # copy changes again only after the next step's routing read, which waits for this copy
+        self.table_host = torch.full((experts,), -1, dtype=torch.int64, pin_memory=pin)
+        self.table = torch.full((experts,), -1, dtype=torch.int64, device=device)
         self.launch: object = None  # the fused kernels' launch shape of the current step
         self.trace: list[list[int]] | None = None  # each step's experts, once `record` is called
 
@@ -118,7 +122,9 @@ class ExpertCache(nn.Module):
         start = torch.cuda.current_stream(x.device).record_event() if self.copies is not None else None
         if len(need) <= self.num_slots:  # one pass: the misses copied in, then every pair at once
             self._upload(misses, set(need), start)
-            slots = torch.tensor(self.slot_of, dtype=torch.int64).to(x.device)[ids.reshape(-1)]
+            self.table_host.copy_(torch.tensor(self.slot_of, dtype=torch.int64))
+            self.table.copy_(self.table_host, non_blocking=True)
+            slots = self.table[ids.reshape(-1)]
             rows = x if k == 1 else x.repeat_interleave(k, dim=0)
             y = self.math.pairs(rows, self.slot_tensors(), slots, self.launch)
         else:  # rounds of at most N experts: what is resident first, beside the first copies
