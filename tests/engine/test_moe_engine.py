@@ -8,6 +8,7 @@ from strata.engine.config import EngineConfig
 from strata.engine.engine import Engine
 from strata.engine.types import SamplingParams
 from strata.errors import BadRequest
+from strata.serve.metrics import EngineCollector
 from tools.synth import SHAPES, copy_tokenizer_fields, write_gguf
 
 PROMPTS = ["The capital of France is", "def fibonacci(n):", "Once upon a time", "1, 2, 3, 4,"]
@@ -37,6 +38,9 @@ def test_expert_cache_keeps_the_greedy_tokens(moe_file: str) -> None:
     figures = stats["expert_cache"]
     assert figures["slots_per_layer"] == 2 and figures["layers"] == 4
     assert 0 < figures["hit_rate"] < 1 and figures["bytes_per_token"] > 0
+    names = {m.name: m for m in EngineCollector(lambda: stats).collect()}
+    assert names["strata_engine_expert_cache_enabled"].samples[0].value == 1
+    assert names["strata_engine_expert_cache_hit_rate"].samples[0].value == figures["hit_rate"]
 
 
 def test_bad_expert_flags_are_refused_before_the_load(moe_file: str) -> None:
