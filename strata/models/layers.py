@@ -1,7 +1,7 @@
 """The decoder every supported architecture shares: RMSNorm, attention, SwiGLU, the stack.
 
 Architectures differ only in switches on `ModelConfig` (q/k/v bias, q/k
-norm), so one implementation serves them all and an architecture module is a
+norm, a sparse MLP of experts where the config has them: `moe.py`), so one implementation serves them all and an architecture module is a
 short description (see `architecture.py`). Q/K/V and gate/up projections are
 fused into one matmul each: fewer, larger kernels per layer and per token.
 
