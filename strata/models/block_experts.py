@@ -20,7 +20,7 @@ from gguf import GGMLQuantizationType
 from torch import nn
 
 from strata.models.blocks import block_product, row_bytes
-from strata.models.moe import combine_loop, combine_ordered
+from strata.models.moe import combine_loop, combine_pairs
 
 try:  # the CPU machines and CI have no Triton
     from strata.kernels.triton import blocks as triton_blocks
@@ -87,9 +87,7 @@ class BlockMath:
         return combine_loop(x, ids, weights, lambda e, r: self._swiglu(e, r, tensors))
 
     def combine(self, y: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
-        if triton_moe is not None and triton_moe.takes(y):
-            return triton_moe.combine(y, ids, weights)
-        return combine_ordered(y, ids, weights)
+        return combine_pairs(y, ids, weights)
 
 
 class BlockExperts(nn.Module):

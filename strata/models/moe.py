@@ -96,6 +96,13 @@ def combine_ordered(y: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -
     return out
 
 
+def combine_pairs(y: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+    """y [T * k, H] summed per token as `combine_loop` sums (the fused kernel on CUDA)."""
+    if triton_moe is not None and triton_moe.takes(y):
+        return triton_moe.combine(y, ids, weights)
+    return combine_ordered(y, ids, weights)
+
+
 def swiglu(x: torch.Tensor, gate: torch.Tensor, up: torch.Tensor, down: torch.Tensor) -> torch.Tensor:
     """down(silu(gate x) * up x) of one expert held as dense matrices, rounding as HF's expert."""
     g = stable_linear(x, gate)
@@ -135,10 +142,7 @@ class DenseMath:
         return combine_loop(x, ids, weights, lambda e, r: swiglu(r, gate[e], up[e], down[e]))
 
     def combine(self, y: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
-        """y [T * k, H] summed per token as `combine_loop` sums (the fused kernel on CUDA)."""
-        if triton_moe is not None and triton_moe.takes(y):
-            return triton_moe.combine(y, ids, weights)
-        return combine_ordered(y, ids, weights)
+        return combine_pairs(y, ids, weights)
 
 
 class Experts(nn.Module):
