@@ -19,6 +19,7 @@ import torch.nn.functional as F
 from gguf import GGMLQuantizationType
 from torch import nn
 
+from strata.models import ops
 from strata.models.blocks import block_product, row_bytes
 from strata.models.moe import combine_loop, combine_pairs
 
@@ -75,7 +76,7 @@ class BlockMath:
             return triton_moe_blocks.expert_down_blocks(act, down, int(self.qtypes[2]), h, a, 1, self.packed,
                                                         block_n=bn_d, warps=warps, stages=stages)
         ones = torch.ones(slots.numel(), 1, dtype=rows.dtype, device=rows.device)
-        return combine_loop(rows, slots.view(-1, 1), ones, lambda s, r: self._swiglu(s, r, tensors))
+        return self.all(rows, tensors, slots.view(-1, 1), ones)
 
     def all(self, x: torch.Tensor, tensors: Sequence[torch.Tensor], ids: torch.Tensor,
             weights: torch.Tensor) -> torch.Tensor:
@@ -84,6 +85,10 @@ class BlockMath:
             gate, up, down = (t.view(-1, t.shape[2]) for t in tensors)
             return triton_moe_blocks.moe_blocks(x, gate, up, down, int(self.qtypes[0]), int(self.qtypes[2]),
                                                 ids, weights, self.packed)
+        k = ops.cpu_kernels(x)
+        if k is not None and all(t.device.type == "cpu" for t in tensors):  # the loop below, in C++
+            qg, qu, qd = (int(q) for q in self.qtypes)
+            return k.experts_blocks(x.contiguous(), ids, weights, *tensors, qg, qu, qd)
         return combine_loop(x, ids, weights, lambda e, r: self._swiglu(e, r, tensors))
 
     def combine(self, y: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:

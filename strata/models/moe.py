@@ -28,6 +28,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from strata.models import ops
 from strata.models.dense import MLP, Linear, stable_linear
 
 try:  # the CPU machines and CI have no Triton
@@ -131,7 +132,7 @@ class DenseMath:
             act = triton_moe.expert_gate_up(rows, gate, up, a, 1, block_n=bn_gu, warps=warps, stages=stages)
             return triton_moe.expert_down(act, down, a, 1, block_n=bn_d, warps=warps, stages=stages)
         ones = torch.ones(slots.numel(), 1, dtype=rows.dtype, device=rows.device)
-        return combine_loop(rows, slots.view(-1, 1), ones, lambda s, r: swiglu(r, gate[s], up[s], down[s]))
+        return self.all(rows, tensors, slots.view(-1, 1), ones)
 
     def all(self, x: torch.Tensor, tensors: Sequence[torch.Tensor], ids: torch.Tensor,
             weights: torch.Tensor) -> torch.Tensor:
@@ -139,6 +140,9 @@ class DenseMath:
         gate, up, down = tensors
         if triton_moe is not None and triton_moe.takes(x, gate, up, down):
             return triton_moe.moe(x, gate, up, down, ids, weights)
+        k = ops.cpu_kernels(x)
+        if k is not None and x.is_contiguous() and all(t.device.type == "cpu" for t in tensors):
+            return k.experts_dense(x, ids, weights, gate, up, down)  # combine_loop's ops, in C++
         return combine_loop(x, ids, weights, lambda e, r: swiglu(r, gate[e], up[e], down[e]))
 
     def combine(self, y: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:

@@ -144,3 +144,29 @@ def test_gguf_blocks_mode_keeps_experts_as_blocks(tmp_path) -> None:
     host = load_model(path, device="cpu", dtype="float32", weights="gguf", progress=False, experts_on_host=True)
     install_expert_cache(host.model, 1, torch.device("cpu"), CacheStats())
     assert torch.equal(prompt_logits(host, PROMPT), want)
+
+
+def test_cpu_kernel_loop_equals_the_python_loop(tmp_path) -> None:
+    """`experts_dense` / `experts_blocks` (C++) give combine_loop's bits, dense and in blocks."""
+    from strata.kernels.cpu.loader import cpu_kernel
+    from strata.models.moe import swiglu
+
+    k = cpu_kernel()
+    assert k is not None, "the CPU kernels did not build"
+    write_gguf(tiny_hf_model("qwen3_moe"), tmp_path / "moe.gguf", "qwen3moe", types=TYPES)
+    for weights in ("dense", "gguf"):
+        loaded = load_model(str(tmp_path / "moe.gguf"), device="cpu", dtype="bfloat16", weights=weights,
+                            progress=False)
+        mlp = loaded.model.layers[0].mlp
+        x = torch.randn(13, 64, dtype=torch.bfloat16)
+        ids, w = mlp.route(x)
+        ex = mlp.experts
+        if weights == "dense":
+            ref = combine_loop(x, ids, w, lambda e, r: swiglu(r, ex.gate[e], ex.up[e], ex.down[e]))
+        else:
+            ref = combine_loop(x, ids, w, lambda e, r: ex.math._swiglu(e, r, ex.tensors()))
+        got = ex.forward(x, ids, w)
+        assert torch.equal(got, ref), weights
+        w2 = w.clone()
+        w2[0, 0] += 0.25  # negative control: a changed weight shows
+        assert not torch.equal(ex.forward(x, ids, w2), ref)

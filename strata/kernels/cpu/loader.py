@@ -2,8 +2,9 @@
 
 `attend` (attention over the pool's cells, `attention.py`) and the row-wise
 pieces of a decoder layer (`elementwise.cpp`, used through `models/ops.py`),
-and `block_matmul` (`blocks.cpp`): x @ W.T with W in a GGUF file's own
-quantized blocks, for the types in `BLOCK_TYPES`.
+`block_matmul` (`blocks.cpp`): x @ W.T with W in a GGUF file's own
+quantized blocks, for the types in `BLOCK_TYPES`, and `experts_dense` /
+`experts_blocks` (`experts.cpp`): a MoE layer's routed experts in one call.
 
 torch compiles it on first use with the machine's C++ compiler (about a
 minute on 2 cores) and caches the build under torch's extensions folder;
@@ -31,7 +32,7 @@ from strata.knobs import flag
 
 log = logging.getLogger(__name__)
 SOURCES = [Path(__file__).parent / "csrc" / f
-           for f in ("module.cpp", "attention.cpp", "elementwise.cpp", "blocks.cpp")]
+           for f in ("module.cpp", "attention.cpp", "elementwise.cpp", "blocks.cpp", "experts.cpp")]
 # -ffp-contract=off: a*b+c rounds twice, as the torch expressions the row-wise kernels replace
 CFLAGS = ["-O3", "-march=native", "-fopenmp", "-ffp-contract=off"]
 # gguf.GGMLQuantizationType values `block_matmul` takes (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q2_K

@@ -1,4 +1,4 @@
-// The Python module of Strata's CPU kernels: attention.cpp, elementwise.cpp and blocks.cpp.
+// The Python module of Strata's CPU kernels: attention.cpp, elementwise.cpp, blocks.cpp and experts.cpp.
 #include <torch/extension.h>
 
 #include <tuple>
@@ -14,6 +14,11 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> rope_qkv(const at::Tensor& qkv, c
 at::Tensor silu_mul(const at::Tensor& gate_up);
 at::Tensor block_matmul(const at::Tensor& x, const at::Tensor& blocks, int64_t qtype);
 std::vector<int64_t> block_types();
+at::Tensor experts_dense(const at::Tensor& x, const at::Tensor& ids, const at::Tensor& weights,
+                         const at::Tensor& gate, const at::Tensor& up, const at::Tensor& down);
+at::Tensor experts_blocks(const at::Tensor& x, const at::Tensor& ids, const at::Tensor& weights,
+                          const at::Tensor& gate, const at::Tensor& up, const at::Tensor& down, int64_t qgate,
+                          int64_t qup, int64_t qdown);
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("attend", &attend, "causal grouped-query attention over pool cells, row by row");
@@ -23,4 +28,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("silu_mul", &silu_mul, "silu(gate) * up");
   m.def("block_matmul", &block_matmul, "x @ W.T with W in a GGUF file's own quantized blocks");
   m.def("block_types", &block_types, "the gguf.GGMLQuantizationType values block_matmul takes");
+  m.def("experts_dense", &experts_dense, "a MoE layer's routed experts, dense weights, in expert order");
+  m.def("experts_blocks", &experts_blocks, "a MoE layer's routed experts, GGUF block weights, in expert order");
 }
