@@ -20,6 +20,16 @@ def moe_model(tmp_path_factory):
     return load_model(str(folder), device="cpu", dtype="bfloat16", progress=False).model
 
 
+class _OneLayer(torch.nn.Module):
+    """What install_expert_cache walks (`.layers[i].mlp`), around one sparse MLP."""
+
+    def __init__(self, mlp: SparseMLP) -> None:
+        super().__init__()
+        layer = torch.nn.Module()
+        layer.mlp = mlp
+        self.layers = torch.nn.ModuleList([layer])
+
+
 def _steps(seed: int) -> list[torch.Tensor]:
     """Inputs of a prompt (17 rows: more experts than slots) and then one-row decode steps."""
     g = torch.Generator().manual_seed(seed)
@@ -32,8 +42,7 @@ def test_cache_equals_all_resident(moe_model, slots: int) -> None:
     assert isinstance(ref, SparseMLP)
     cached = copy.deepcopy(ref)
     stats = CacheStats()
-    holder = type("M", (), {"layers": [type("L", (), {"mlp": cached})()]})()
-    install_expert_cache(holder, slots, torch.device("cpu"), stats)
+    install_expert_cache(_OneLayer(cached), slots, torch.device("cpu"), stats)
     assert isinstance(cached.experts, ExpertCache) and cached.experts.num_slots == slots
     needs = 0
     with torch.inference_mode():
@@ -50,8 +59,7 @@ def test_cache_negative_control(moe_model) -> None:
     """One wrong byte in one host expert shows up in the tokens that use it."""
     ref = moe_model.layers[0].mlp
     cached = copy.deepcopy(ref)
-    holder = type("M", (), {"layers": [type("L", (), {"mlp": cached})()]})()
-    install_expert_cache(holder, 2, torch.device("cpu"), CacheStats())
+    install_expert_cache(_OneLayer(cached), 2, torch.device("cpu"), CacheStats())
     x = _steps(1)[0]
     ids, _ = ref.route(x)
     with torch.inference_mode():
