@@ -82,12 +82,12 @@ def config_from_hf(path: str, d: dict[str, Any]) -> tuple[Architecture, ModelCon
     if bias is None and d.get("attention_bias") is None:
         bias = bool(d.get("qkv_bias", False))  # qwen2_moe's spelling
     layers = int(need("num_hidden_layers"))
-    experts = int(d.get("num_experts") or d.get("num_local_experts") or 0)
+    ffn = int(need("intermediate_size"))
     cfg = ModelConfig(
         arch=arch.name,
         vocab_size=int(need("vocab_size")),
         hidden_size=hidden,
-        intermediate_size=int(need("intermediate_size")),
+        intermediate_size=ffn,
         num_layers=layers,
         num_heads=heads,
         num_kv_heads=int(d.get("num_key_value_heads") or heads),
@@ -101,27 +101,47 @@ def config_from_hf(path: str, d: dict[str, Any]) -> tuple[Architecture, ModelCon
         qk_norm=arch.qk_norm,
         bos_token_id=d.get("bos_token_id"),
         eos_token_ids=_eos_list(d.get("eos_token_id")),
+        **_hf_experts(path, d, arch, ffn, layers),
     )
-    if experts:
-        _hf_experts(path, d, cfg, experts, layers)
-        if arch.hf_norm_topk is not None:
-            cfg.norm_topk_prob = arch.hf_norm_topk
     return arch, cfg
 
 
-def _hf_experts(path: str, d: dict[str, Any], cfg: ModelConfig, experts: int, layers: int) -> None:
-    """The mixture-of-experts fields of a config.json (qwen3_moe, qwen2_moe)."""
+def _hf_experts(path: str, d: dict[str, Any], arch: Architecture, ffn: int, layers: int) -> dict[str, Any]:
+    """The mixture-of-experts fields of a config.json (qwen3_moe, qwen2_moe, mixtral); none for
+    a dense model."""
+    experts = int(d.get("num_experts") or d.get("num_local_experts") or 0)
+    if not experts:
+        return {}
     k = int(d.get("num_experts_per_tok") or 0)
     if not 0 < k <= experts:
         raise ModelLoadError(path, f"num_experts_per_tok {k} is not within 1..{experts} experts")
     step = int(d.get("decoder_sparse_step") or 1)
     only_dense = {int(i) for i in d.get("mlp_only_layers") or []}
-    cfg.num_experts = experts
-    cfg.experts_per_token = k
-    cfg.expert_ffn = int(d.get("moe_intermediate_size") or cfg.intermediate_size)
-    cfg.norm_topk_prob = bool(d.get("norm_topk_prob", False))
-    cfg.shared_expert_ffn = int(d.get("shared_expert_intermediate_size") or 0)
-    cfg.dense_layers = tuple(i for i in range(layers) if i in only_dense or (i + 1) % step)
+    norm = arch.hf_norm_topk if arch.hf_norm_topk is not None else bool(d.get("norm_topk_prob", False))
+    return dict(num_experts=experts, experts_per_token=k,
+                expert_ffn=int(d.get("moe_intermediate_size") or ffn), norm_topk_prob=norm,
+                shared_expert_ffn=int(d.get("shared_expert_intermediate_size") or 0),
+                dense_layers=tuple(i for i in range(layers) if i in only_dense or (i + 1) % step))
+
+
+def _gguf_experts(path: str, a: str, get: Any, arch: Architecture, ffn: int, layers: int,
+                  tensor_names: Collection[str]) -> dict[str, Any]:
+    """The mixture-of-experts fields of GGUF metadata (`{arch}.expert_*`); none for a dense file.
+    Layers without a router tensor keep a dense MLP."""
+    experts = int(get("expert_count", 0) or 0)
+    if not experts:
+        return {}
+    k = int(get("expert_used_count", 0) or 0)
+    if not 0 < k <= experts:
+        raise ModelLoadError(path, f"{a}.expert_used_count {k} is not within 1..{experts} experts")
+    dense = tuple(i for i in range(layers) if f"blk.{i}.ffn_gate_inp.weight" not in tensor_names)
+    if dense and not ffn:
+        raise ModelLoadError(path, f"layers {list(dense)} have no experts and the file gives "
+                                   f"no {a}.feed_forward_length for their dense MLP")
+    return dict(num_experts=experts, experts_per_token=k,
+                expert_ffn=int(get("expert_feed_forward_length", ffn)),
+                norm_topk_prob=bool(get("expert_weights_norm", arch.gguf_norm_topk)),
+                shared_expert_ffn=int(get("expert_shared_feed_forward_length", 0) or 0), dense_layers=dense)
 
 
 def gguf_architecture(path: str, metadata: dict[str, Any]) -> Architecture:
@@ -164,7 +184,7 @@ def config_from_gguf(
 
     hidden = int(need("embedding_length"))
     layers = int(need("block_count"))
-    experts = int(get("expert_count", 0) or 0)
+    ffn = int(get("feed_forward_length", 0) if get("expert_count") else need("feed_forward_length"))
     heads = _uniform(path, f"{a}.attention.head_count", need("attention.head_count"))
     kv_heads = _uniform(path, f"{a}.attention.head_count_kv", get("attention.head_count_kv", heads))
     head_dim = int(get("attention.key_length", hidden // heads))
@@ -194,7 +214,7 @@ def config_from_gguf(
         arch=a,
         vocab_size=int(vocab),
         hidden_size=hidden,
-        intermediate_size=int(get("feed_forward_length", 0) if experts else need("feed_forward_length")),
+        intermediate_size=ffn,
         num_layers=layers,
         num_heads=heads,
         num_kv_heads=kv_heads,
@@ -215,20 +235,8 @@ def config_from_gguf(
                 if metadata.get(k) is not None
             )
         ),
+        **_gguf_experts(path, a, get, arch, ffn, layers, tensor_names),
     )
-    if experts:
-        k = int(need("expert_used_count"))
-        if not 0 < k <= experts:
-            raise ModelLoadError(path, f"{a}.expert_used_count {k} is not within 1..{experts} experts")
-        cfg.num_experts = experts
-        cfg.experts_per_token = k
-        cfg.expert_ffn = int(get("expert_feed_forward_length", cfg.intermediate_size))
-        cfg.norm_topk_prob = bool(get("expert_weights_norm", arch.gguf_norm_topk))
-        cfg.shared_expert_ffn = int(get("expert_shared_feed_forward_length", 0) or 0)
-        cfg.dense_layers = tuple(i for i in range(layers) if f"blk.{i}.ffn_gate_inp.weight" not in tensor_names)
-        if cfg.dense_layers and not cfg.intermediate_size:
-            raise ModelLoadError(path, f"layers {list(cfg.dense_layers)} have no experts and the file gives "
-                                       f"no {a}.feed_forward_length for their dense MLP")
     return arch, cfg
 
 
