@@ -6,15 +6,14 @@ routing the way K/V cells follow the tokens: all of them in pinned host
 memory, N slots per layer on the device. A step's routing is known before
 its experts run; experts it needs that are not resident are copied into the
 slots of experts it does not need (`kv/expert_residency.py` orders the
-victims), on a copy stream while the step computes the experts it already
-holds. The products are the same kernels reading the slots instead of the
-full tensors, every (token, expert) row computed on its own and the k rows
+victims), on a copy stream; a step that needs more experts than there are
+slots runs in rounds of at most N, each round's products beside the next
+round's copies. The products are the same kernels reading the slots instead
+of the full tensors, with the full layer's launch shapes, every (token, expert) row computed on its own and the k rows
 summed in expert order (`moe.combine_ordered`), so the cache gives the bits
-of all experts resident whatever it holds (tested with one slot).
-
-A step that needs more experts than there are slots runs in rounds of at
-most N experts. The routing costs one device-to-host read per layer and
-step, so a cached model decodes without CUDA graphs.
+of all experts resident whatever it holds (tested with one slot). The
+routing costs one device-to-host read per layer and step, so a cached model
+decodes without CUDA graphs (docs/MOE.md measures what that costs).
 """
 
 from __future__ import annotations
@@ -36,7 +35,6 @@ class CacheStats:
     hits: int = 0
     misses: int = 0
     bytes_uploaded: int = 0
-    steps: int = 0  # layer-steps
     token_layers: int = 0  # tokens through each cached layer, summed
     slots: dict[int, int] = field(default_factory=dict)  # layer -> slots
 
@@ -68,7 +66,6 @@ class ExpertCache(nn.Module):
         if not 1 <= slots <= experts:
             raise ValueError(f"an expert cache of {slots} slots for {experts} experts")
         self.math = math
-        self.layer = layer
         self.num_experts = experts
         self.num_slots = slots
         self.policy = policy
@@ -80,7 +77,7 @@ class ExpertCache(nn.Module):
             self.register_buffer(f"host{i}", t.pin_memory() if pin else t)
             self.register_buffer(f"slot{i}", torch.empty((slots, *t.shape[1:]), dtype=t.dtype, device=device))
         self.parts = len(host)
-        self.expert_bytes = sum(t[0].numel() * t.element_size() for t in host)
+        self.expert_bytes = one_expert_bytes(host)
         self.slot_of = [-1] * experts  # expert -> slot
         self.held: list[int] = [-1] * slots  # slot -> expert
         self.usage = ExpertUsage(experts)
@@ -89,7 +86,6 @@ class ExpertCache(nn.Module):
         # copy changes again only after the next step's routing read, which waits for this copy
         self.table_host = torch.full((experts,), -1, dtype=torch.int64, pin_memory=pin)
         self.table = torch.full((experts,), -1, dtype=torch.int64, device=device)
-        self.launch: object = None  # the fused kernels' launch shape of the current step
         self.trace: list[list[int]] | None = None  # each step's experts, once `record` is called
 
     def record(self) -> list[list[int]]:
@@ -115,10 +111,9 @@ class ExpertCache(nn.Module):
         misses = [e for e in need if self.slot_of[e] < 0]
         self.stats.hits += len(hits)
         self.stats.misses += len(misses)
-        self.stats.steps += 1
         self.stats.token_layers += int(x.shape[0])
         k = ids.shape[1]
-        self.launch = self.math.config(self.host_tensors(), int(x.shape[0]), k, x.dtype)  # all E's
+        launch = self.math.config(self.host_tensors(), int(x.shape[0]), k, x.dtype)  # all E's
         start = torch.cuda.current_stream(x.device).record_event() if self.copies is not None else None
         if len(need) <= self.num_slots:  # one pass: the misses copied in, then every pair at once
             self._upload(misses, set(need), start)
@@ -126,18 +121,18 @@ class ExpertCache(nn.Module):
             self.table.copy_(self.table_host, non_blocking=True)
             slots = self.table[ids.reshape(-1)]
             rows = x if k == 1 else x.repeat_interleave(k, dim=0)
-            y = self.math.pairs(rows, self.slot_tensors(), slots, self.launch)
+            y = self.math.pairs(rows, self.slot_tensors(), slots, launch)
         else:  # rounds of at most N experts: what is resident first, beside the first copies
             y = torch.empty((ids.numel(), x.shape[-1]), dtype=x.dtype, device=x.device)
             room = self.num_slots - len(hits)
-            self._compute(x, ids, k, hits, y)  # overlaps the copies of the first misses, which
+            self._compute(x, ids, hits, y, launch)  # overlaps the copies of the first misses, which
             self._upload(misses[:room], set(need), start)  # only wait for the steps before this one
-            self._compute(x, ids, k, misses[:room], y)
+            self._compute(x, ids, misses[:room], y, launch)
             for at in range(room, len(misses), self.num_slots):  # evicts experts computed above
                 group = misses[at : at + self.num_slots]
                 after = torch.cuda.current_stream(x.device).record_event() if self.copies is not None else None
                 self._upload(group, set(group), after)
-                self._compute(x, ids, k, group, y)
+                self._compute(x, ids, group, y, launch)
         self.usage.record(need)
         return self.math.combine(y, ids, weights)
 
@@ -165,17 +160,17 @@ class ExpertCache(nn.Module):
             torch.cuda.current_stream(stream.device).wait_stream(stream)
         self.stats.bytes_uploaded += len(experts) * self.expert_bytes
 
-    def _compute(self, x: torch.Tensor, ids: torch.Tensor, k: int, experts: list[int], y: torch.Tensor) -> None:
+    def _compute(self, x: torch.Tensor, ids: torch.Tensor, experts: list[int], y: torch.Tensor,
+                 launch: object) -> None:
         """y's rows of the (token, expert) pairs of `experts` (all resident now)."""
         if not experts:
             return
         lut = torch.full((self.num_experts,), -1, dtype=torch.int64)
-        for e in experts:
-            lut[e] = self.slot_of[e]
+        lut[experts] = torch.tensor([self.slot_of[e] for e in experts])
         slots = lut.to(ids.device)[ids.reshape(-1)]
         pairs = torch.nonzero(slots >= 0).view(-1)
-        rows = x.index_select(0, pairs // k)
-        y[pairs] = self.math.pairs(rows, self.slot_tensors(), slots[pairs], self.launch)
+        rows = x.index_select(0, pairs // ids.shape[1])
+        y[pairs] = self.math.pairs(rows, self.slot_tensors(), slots[pairs], launch)
 
 
 def install_expert_cache(model: nn.Module, slots: int, device: torch.device, stats: CacheStats,
@@ -189,13 +184,18 @@ def install_expert_cache(model: nn.Module, slots: int, device: torch.device, sta
                                            device, i, stats, policy))
 
 
+def one_expert_bytes(tensors: list[torch.Tensor]) -> int:
+    """Bytes of one expert of expert-major tensors (its gate, up and down rows)."""
+    return sum(t[0].numel() * t.element_size() for t in tensors)
+
+
 def expert_bytes(model: nn.Module) -> tuple[int, int, int]:
     """(bytes of one expert, sparse layers, experts per layer) of a model whose experts are
     loaded (0s for a dense model)."""
     for layer in model.layers:
         experts = getattr(layer.mlp, "experts", None)
         if experts is not None:
-            one = sum(t[0].numel() * t.element_size() for t in experts.tensors())
+            one = one_expert_bytes(experts.tensors())
             layers = sum(getattr(m.mlp, "experts", None) is not None for m in model.layers)
             return one, layers, int(experts.num_experts)
     return 0, 0, 0

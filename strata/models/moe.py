@@ -1,6 +1,6 @@
 """The sparse MLP of mixture-of-experts models: a router picks k of E SwiGLU experts per token.
 
-Qwen3-MoE and Qwen2-MoE route the same way (a softmax over the router's
+Qwen3-MoE, Qwen2-MoE and Mixtral route the same way (a softmax over the router's
 logits in float32, the top k, optionally renormalised to sum to 1, then
 rounded to the compute dtype); Qwen2-MoE adds a shared expert that every
 token takes, scaled by a sigmoid gate. The arithmetic follows Hugging Face's
@@ -10,13 +10,15 @@ expert order, rounding after each add (its `index_add_` over experts in
 turn). A token's result depends only on its own row, never on which other
 tokens share the step: the batch invariance the dense layers keep.
 
-Where the experts' weights live is the `ExpertWeights` holder's business:
-`Experts` holds all of them on the compute device (dense tensors, or the GGUF
-file's blocks), `experts.ExpertCache` keeps them in host RAM with the hot ones
-in device slots. The products go to the fused Triton kernels
-(`kernels/triton/moe.py`) for CUDA tensors they take, else to a loop over the
-experts a step uses (the CPU path, where each product is a bf16 matmul whose
-rows do not depend on how many rows there are).
+Where the experts' weights live is the holder's business: `Experts` holds
+all of them on the compute device as dense tensors (`block_experts.BlockExperts`
+as the GGUF file's blocks), `experts.ExpertCache` keeps them in host RAM with
+the hot ones in device slots; each holder's `ExpertMath` multiplies. The
+products go to the fused Triton kernels (`kernels/triton/moe.py`) for CUDA
+tensors they take, to one C++ call on the CPU (`kernels/cpu/csrc/experts.cpp`),
+else to `combine_loop`, the reference both follow: a loop over the experts a
+step uses, each product a matmul whose rows do not depend on how many rows
+there are.
 """
 
 from __future__ import annotations
