@@ -48,6 +48,8 @@ class EngineConfig:
     stage_timeout: float = 60.0  # seconds any link operation may take before the stage counts as lost
     prompt_cache: int = 0  # keep up to N conversations as checkpoints (with --remote-stage: the
     # worker keeps its part under ids); 0 = as --conversation-cache-* say
+    ctx_checkpoints: int = 8  # a recurrent model's state checkpoints kept per conversation
+    prompt_cache_min_step: int = 0  # and one every T prompt tokens read (0: only at cut points)
     experts_on: str = "device"  # a MoE model's routed experts: device (all resident) | host
     expert_cache: str | None = None  # device slots per layer with experts on the host: N | auto
     expert_policy: str = "lfru"  # which cached expert gives its slot up: lru | lfu | lfru
@@ -147,6 +149,12 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--pipeline", default=d.pipeline, choices=["auto", "on", "off"],
                    help="greedy decode: launch the next step before post-processing this one, so "
                         "the host's work overlaps the device's (auto: with CUDA-graph decode)")
+    r = parser.add_argument_group("recurrent layers (docs/HYBRID.md)")
+    r.add_argument("--ctx-checkpoints", type=int, default=d.ctx_checkpoints, metavar="N",
+                   help="a recurrent model's state checkpoints kept per conversation, so an edit or "
+                        "a regenerate resumes from the nearest one instead of token 0 (0: none)")
+    r.add_argument("--prompt-cache-min-step", type=int, default=d.prompt_cache_min_step, metavar="T",
+                   help="also checkpoint every T prompt tokens read (0: only at the chat's cut points)")
     e = parser.add_argument_group("mixture of experts (docs/MOE.md)")
     e.add_argument("--experts-on", default=d.experts_on, choices=["device", "host"],
                    help="where a MoE model's routed experts live: device (all resident) or host "

@@ -16,6 +16,7 @@ from typing import Any, Callable
 
 import torch
 
+from strata.engine.checkpoints import Checkpoints
 from strata.engine.config import (
     EngineConfig,
     cache_size,
@@ -49,6 +50,7 @@ from strata.errors import (
 )
 from strata.knobs import knob_values
 from strata.kv.formats import make_format
+from strata.kv.state import StatePool
 from strata.kv.tables import TablePool
 from strata.memory import device_memory
 from strata.models import load_model
@@ -81,6 +83,9 @@ class Engine:
         self.config = config
         if config.parallel < 1:
             raise BadRequest(f"--parallel must be at least 1, got {config.parallel}", "parallel")
+        if config.ctx_checkpoints < 0 or config.prompt_cache_min_step < 0:
+            raise BadRequest("--ctx-checkpoints and --prompt-cache-min-step must be at least 0",
+                             "ctx_checkpoints")
         if config.threads is not None and config.threads < 1:
             raise BadRequest(f"--threads must be at least 1, got {config.threads}", "threads")
         self._inbox: deque[Request] = deque()
@@ -138,6 +143,11 @@ class Engine:
         shape = PoolShape(fmt, config.parallel, config.max_context, chunk, config.kv_pool_tokens,
                           config.kv_resident)
         self.pool: TablePool
+        state_shapes = self.loaded.model.state_layers()
+        self.states: StatePool | None = None  # a recurrent model's per-lane state (kv/state.py)
+        if state_shapes and split is not None:
+            raise BadRequest(f"{self.model_name} has recurrent layers: a layer split of it is not "
+                             "supported yet", "gpus")
         if split is not None:  # one pool over the stages' parts, one runner through them
             self.pool, self.runner = split.build(self.loaded.model, self.loaded.identity, shape,
                                                  mc.attn_scale, graphs_factory())
@@ -148,8 +158,10 @@ class Engine:
             self.pool = part_on(shape, range(mc.num_layers), self.device, None)
             if slots is not None:  # the experts take what the pool leaves
                 self._cache_experts(slots)
+            if state_shapes:
+                self.states = StatePool(state_shapes, config.parallel, self.device)
             self.runner = Runner(self.loaded.model, self.pool, mc.attn_scale, self.device,
-                                 graphs=graph_safe(self.loaded.model))
+                                 graphs=graph_safe(self.loaded.model), states=self.states)
             if self.device.type == "cpu":  # a step's time is its threads' work: the governor can judge
                 self.cpu_threads.govern()
         log.info("%s", self.cpu_threads.describe())
@@ -160,18 +172,30 @@ class Engine:
         parking = None
         kept = self.pool.kept if isinstance(self.pool, SplitPool) else None
         slots, budget = cache_size(config, kept.local_bytes_per_cell() if kept else self.pool.bytes_per_cell())
-        if budget > 0:
+        self.checkpoints: Checkpoints | None = None
+        if self.states is not None:  # a conversation resumes from its state or a checkpoint
+            self.checkpoints = Checkpoints(self.states, config.ctx_checkpoints, config.prompt_cache_min_step)
+            log.info("recurrent state: %d layers, %.1f MiB a lane; %d checkpoints a conversation",
+                     len(state_shapes), self.states.bytes_per_lane() / 2**20, config.ctx_checkpoints)
+            if budget > 0:
+                log.warning("the conversation cache does not park recurrent state yet: conversations "
+                            "stay in their lanes only")
+        elif budget > 0:
             self.conversations = ConversationCache(budget, slots)
             parking = Parking(self.pool, self.conversations, kept)
         self.scheduler = Scheduler(self.pool, config.parallel, config.prefill_chunk,
-                                   prefix_reuse=config.prefix_reuse, parking=parking)
+                                   prefix_reuse=config.prefix_reuse, parking=parking,
+                                   checkpoints=self.checkpoints)
         if config.pipeline not in ("auto", "on", "off"):
             raise BadRequest(f"--pipeline must be auto, on or off, not {config.pipeline!r}")
         # overlapping pays where the forward runs asynchronously (CUDA graphs); elsewhere it only
         # costs a wasted step per stopped lane, so `auto` leaves it off
         self.pipeline = config.pipeline == "on" or (config.pipeline == "auto" and self.runner.graphs is not None)
+        if self.states is not None:  # a wasted step would carry the state past the lane's tokens
+            self.pipeline = False
         self.stop_ids = set(self.tokenizer.stop_token_ids)
-        self.sessions = SessionFiles(self.scheduler, config.session_dir, self.loaded.identity, mc.vocab_size)
+        self.sessions = SessionFiles(self.scheduler, config.session_dir, self.loaded.identity, mc.vocab_size,
+                                     recurrent=self.states is not None)
         # the server checks grammars (`engine.grammars.check`) from its threads before submitting
         self.grammars = Grammars(self.tokenizer, mc.vocab_size)
         self.masks = GrammarMasks(self.grammars.vocab_size, pin=self.device.type == "cuda")
@@ -274,7 +298,8 @@ class Engine:
                                 if self.conversations is not None else None),
             stages=self.runner.describe_stages(), knobs=knob_values(),
             **memory_figures(self.loaded, self.pool), **self.cpu_threads.figures(),
-            expert_cache=self.expert_stats.figures() if self.expert_stats is not None else None)
+            expert_cache=self.expert_stats.figures() if self.expert_stats is not None else None,
+            checkpoints=self.checkpoints.stats.as_dict() if self.checkpoints is not None else None)
         return figures
 
     def close(self) -> None:
@@ -443,6 +468,8 @@ class Engine:
             if req.prefilling:
                 lane.tokens.extend(req.prompt[req.cursor : req.cursor + seq.n])
                 req.cursor += seq.n
+                if self.checkpoints is not None and req.cursor in req.cuts:
+                    self.checkpoints.save(lane.index, req.cursor)
                 if not wanted and req.params.progress:
                     req.handle.publish(self._progress(req))
             else:

@@ -125,6 +125,8 @@ class Request:
     output: list[int] = field(default_factory=list)
     cursor: int = 0  # prompt tokens whose K/V is in the lane
     cached: int = 0  # prompt tokens reused from a cached conversation
+    cuts: list[int] = field(default_factory=list)  # positions where the read stops to checkpoint
+    # a recurrent model's state (engine/checkpoints.py)
     finish: FinishReason | None = None
     detok: object = None  # IncrementalDetokenizer
     stopper: object = None  # StopMatcher

@@ -6,6 +6,7 @@ import torch
 
 from strata.attention.select import HAVE_TRITON, backend_for, graphs_possible
 from strata.kv.pool import KvPool
+from strata.kv.state import StatePool
 from strata.kv.step import SeqSpec, sampled_rows, step_positions
 
 
@@ -20,14 +21,16 @@ def graphs_factory() -> type | None:
 
 class Runner:
     def __init__(self, model: torch.nn.Module, pool: KvPool, scale: float, device: torch.device,
-                 graphs: bool = True) -> None:
+                 graphs: bool = True, states: StatePool | None = None) -> None:
+        """states: a recurrent model's per-lane state (`kv/state.py`); its steps run eagerly."""
         self.model = model
+        self.states = states
         self.pool = pool
         self.scale = scale
         self.device = device
         self.context = backend_for(pool)  # the attention backend of every step (attention/select.py)
         self.graphs = None  # CUDA graphs of decode steps (prompt reading stays eager)
-        if graphs and graphs_possible(self.context):
+        if graphs and states is None and graphs_possible(self.context):
             from strata.engine.graphs import DecodeGraphs  # imports Triton
 
             self.graphs = DecodeGraphs(model, pool, scale)
@@ -63,7 +66,15 @@ class Runner:
         input_ids = torch.tensor(tokens, dtype=torch.int64, device=self.device)
         positions = step_positions(seqs)
         ctx = self.context(self.pool, seqs, self.scale)
-        hidden = self.model(input_ids, positions.to(self.device), ctx)
+        if self.states is None:
+            hidden = self.model(input_ids, positions.to(self.device), ctx)
+        else:
+            rows = [0]
+            for s in seqs[:-1]:
+                rows.append(rows[-1] + s.n)
+            states = self.states.step([(r, s.n) for r, s in zip(rows, seqs)], [s.lane for s in seqs],
+                                      [s.start == 0 for s in seqs])
+            hidden = self.model(input_ids, positions.to(self.device), ctx, states=states)
         rows = sampled_rows(seqs, sample)
         if not rows:
             return torch.empty(0, device=self.device)

@@ -22,6 +22,7 @@ from strata.kv.step import SeqSpec
 from strata.kv.tables import TablePool
 
 if TYPE_CHECKING:
+    from strata.engine.checkpoints import Checkpoints
     from strata.engine.parking import Parking
 
 
@@ -66,7 +67,10 @@ def common_prefix(a: list[int], b: list[int]) -> int:
 
 class Scheduler:
     def __init__(self, pool: TablePool, lanes: int, prefill_chunk: int, retry_after: float = 1.0,
-                 prefix_reuse: bool = True, parking: Parking | None = None) -> None:
+                 prefix_reuse: bool = True, parking: Parking | None = None,
+                 checkpoints: Checkpoints | None = None) -> None:
+        """checkpoints: a recurrent model's state checkpoints (`checkpoints.py`); a lane then
+        resumes only from its whole conversation or from a checkpoint, never from another cut."""
         self.pool = pool
         self.prefix_reuse = prefix_reuse
         self.lanes = [Lane(i) for i in range(lanes)]
@@ -75,6 +79,9 @@ class Scheduler:
         self.waiting: deque[Request] = deque()
         self.counters = Counters()
         self.parking = parking  # conversations displaced from lanes go there (the conversation cache)
+        self.checkpoints = checkpoints
+        if checkpoints is not None and parking is not None:
+            raise ValueError("parking a recurrent model's state is not supported")
 
     # ---- admission ----------------------------------------------------------
     def free_lanes(self) -> list[Lane]:
@@ -130,10 +137,14 @@ class Scheduler:
             self.counters.parks += 1
         lane.tokens = lane.tokens[:keep]
         self.pool.release(lane.index, keep_tokens=keep)
+        if self.checkpoints is not None:
+            self.checkpoints.cut(lane.index, keep)
 
     def admit(self, req: Request) -> Lane:
         """Put `req` in a lane, reusing a cached prefix; raise KvPoolFull if no room."""
         lane, m = self.pick_lane(req.prompt)
+        if self.checkpoints is not None:
+            return self._admit_resumed(req, lane, m)
         hit = None
         if self.parking is not None and self.prefix_reuse:
             hit = self.parking.find(req.prompt)
@@ -173,10 +184,42 @@ class Scheduler:
         lane.pending = None
         return lane
 
+    def _admit_resumed(self, req: Request, lane: Lane, m: int) -> Lane:
+        """`admit` for a recurrent model: the lane's state covers its whole conversation, so a
+        shared prefix `m` shorter than that is usable only from a checkpoint at or before it."""
+        cps = self.checkpoints
+        assert cps is not None
+        whole = m > 0 and m == len(lane.tokens)
+        if not whole:
+            m = cps.best(lane.index, m)
+        self.give_way(lane, m)
+        if not self.reserve_for(lane, len(req.prompt)):
+            self.counters.refusals += 1
+            raise KvPoolFull(
+                f"KV pool full: {len(req.prompt)} prompt tokens need "
+                f"{self.pool.chunks_for(len(req.prompt))} chunks of {self.pool.chunk_size} cells, "
+                f"{self.pool.free_chunks} free and no idle conversation left to evict",
+                retry_after=self.retry_after,
+            )
+        if whole:
+            cps.save(lane.index, m)  # the end of the last answer: a cut point of the chat
+        else:
+            cps.resume(lane.index, m)
+        if m:
+            self.counters.prefix_reuse_hits += 1
+            self.counters.prefix_tokens_reused += m
+        req.cursor = req.cached = m
+        req.cuts = cps.cut_points(m, len(req.prompt))
+        lane.request = req
+        lane.pending = None
+        return lane
+
     def move(self, src: Lane, dst: Lane) -> None:
         """Move src's conversation into dst by swapping chunk tables (no K/V copy)."""
         assert src.request is None and dst.request is None
         self.pool.swap(src.index, dst.index)
+        if self.checkpoints is not None:
+            self.checkpoints.swap(src.index, dst.index)
         src.tokens, dst.tokens = dst.tokens, src.tokens
         src.last_used, dst.last_used = dst.last_used, src.last_used
         self.counters.moves += 1
@@ -210,6 +253,9 @@ class Scheduler:
             req = lane.request
             assert req is not None
             n = min(budget, len(req.prompt) - req.cursor)
+            cut = next((c for c in req.cuts if c > req.cursor), None)
+            if cut is not None:  # the read stops there to checkpoint the state
+                n = min(n, cut - req.cursor)
             seqs.append(SeqSpec(lane.index, req.cursor, n))
             lanes.append(lane)
             tokens.extend(req.prompt[req.cursor : req.cursor + n])
@@ -224,6 +270,8 @@ class Scheduler:
             if lane.request is None and lane.tokens:
                 lane.tokens = []
                 self.pool.release(lane.index)
+                if self.checkpoints is not None:
+                    self.checkpoints.cut(lane.index, 0)
 
     def release_lane(self, lane: Lane, keep_cache: bool) -> None:
         """The lane's request is over: keep its conversation for reuse, or give it all back."""
@@ -233,3 +281,5 @@ class Scheduler:
         if not keep_cache:
             lane.tokens = []
             self.pool.release(lane.index)
+            if self.checkpoints is not None:
+                self.checkpoints.cut(lane.index, 0)

@@ -52,8 +52,10 @@ class SessionResult:
 
 class SessionFiles:
     def __init__(self, scheduler: Scheduler, session_dir: str | None, model_identity: str,
-                 vocab_size: int | None = None) -> None:
+                 vocab_size: int | None = None, recurrent: bool = False) -> None:
+        """recurrent: the model carries per-lane state, which the format does not hold yet."""
         self.scheduler = scheduler
+        self.recurrent = recurrent
         self.pool = scheduler.pool
         self.session_dir = session_dir
         self.identity = model_identity
@@ -64,6 +66,8 @@ class SessionFiles:
     def _path(self, filename: str) -> Path:
         if self.session_dir is None:
             raise SessionFilesDisabled()
+        if self.recurrent:
+            raise BadRequest("session files do not hold a recurrent model's state yet", "filename")
         return resolve_session_path(self.session_dir, filename)
 
     def _lane(self, index: int) -> Lane:

@@ -40,3 +40,77 @@ class StateContext(Protocol):
     def save(self, layer: int, state: dict[str, torch.Tensor]) -> None:
         """name -> [S, *shape]: each sequence's state after its last row."""
         ...
+
+
+class StatePool:
+    """One float32 slot per lane of every recurrent layer's state, on the model's device.
+
+    A lane's state lives in slot `slot_of[lane]`; moving a conversation
+    between lanes swaps slots (no copy), as the KV pool swaps chunk tables.
+    """
+
+    def __init__(self, shapes: dict[int, StateShapes], num_lanes: int, device: torch.device | str) -> None:
+        self.shapes = shapes
+        self.device = torch.device(device)
+        self.slot_of = list(range(num_lanes))
+        self.layers: dict[int, dict[str, torch.Tensor]] = {
+            layer: {name: torch.zeros((num_lanes, *shape), dtype=torch.float32, device=self.device)
+                    for name, shape in named.items()}
+            for layer, named in shapes.items()}
+
+    def bytes_per_lane(self) -> int:
+        """Bytes of one lane's state over every layer: what a checkpoint holds."""
+        return sum(t[0].nbytes for named in self.layers.values() for t in named.values())
+
+    def total_bytes(self) -> int:
+        return sum(t.nbytes for named in self.layers.values() for t in named.values())
+
+    def swap(self, a: int, b: int) -> None:
+        self.slot_of[a], self.slot_of[b] = self.slot_of[b], self.slot_of[a]
+
+    def export(self, lane: int) -> dict[int, dict[str, torch.Tensor]]:
+        """A CPU copy of the lane's state (a checkpoint)."""
+        s = self.slot_of[lane]
+        return {layer: {name: t[s].to("cpu", copy=True) for name, t in named.items()}
+                for layer, named in self.layers.items()}
+
+    def load(self, lane: int, state: dict[int, dict[str, torch.Tensor]] | None) -> None:
+        """Set the lane's state to `state` (as `export` returns it); None: zeros (position 0)."""
+        s = self.slot_of[lane]
+        for layer, named in self.layers.items():
+            for name, t in named.items():
+                if state is None:
+                    t[s].zero_()
+                else:
+                    t[s].copy_(state[layer][name])
+
+    def step(self, spans: list[tuple[int, int]], lanes: list[int], fresh: list[bool]) -> StepStates:
+        """The StateContext of one step: sequence i is lane `lanes[i]`'s rows `spans[i]`,
+        starting from zeros where `fresh[i]` (its first row is position 0)."""
+        return StepStates(self, spans, lanes, fresh)
+
+
+class StepStates:
+    """`StateContext` over a `StatePool`: gathers the step's slots, scatters them back."""
+
+    def __init__(self, pool: StatePool, spans: list[tuple[int, int]], lanes: list[int],
+                 fresh: list[bool]) -> None:
+        self.pool = pool
+        self.spans = spans
+        self.slots = torch.tensor([pool.slot_of[lane] for lane in lanes], dtype=torch.int64,
+                                  device=pool.device)
+        self.fresh = torch.tensor(fresh, dtype=torch.bool, device=pool.device)
+        self.any_fresh = any(fresh)
+
+    def load(self, layer: int) -> dict[str, torch.Tensor]:
+        out = {}
+        for name, t in self.pool.layers[layer].items():
+            s = t.index_select(0, self.slots)
+            if self.any_fresh:
+                s[self.fresh] = 0
+            out[name] = s
+        return out
+
+    def save(self, layer: int, state: dict[str, torch.Tensor]) -> None:
+        for name, t in self.pool.layers[layer].items():
+            t.index_copy_(0, self.slots, state[name].to(torch.float32))

@@ -17,6 +17,7 @@ import torch
 from torch import nn
 
 from strata.attention.base import AttentionContext
+from strata.kv.state import StateShapes
 from strata.models import ops
 from strata.models.base import ModelConfig
 from strata.models.blocks import BlockLinear
@@ -180,6 +181,10 @@ class DecoderModel(nn.Module):
         self.rope_sin: torch.Tensor
         self.register_buffer("rope_cos", torch.empty(0), persistent=False)
         self.register_buffer("rope_sin", torch.empty(0), persistent=False)
+
+    def state_layers(self) -> dict[int, StateShapes]:
+        """Layers that carry recurrent state, and its shapes (`kv/state.py`); none here."""
+        return {}
 
     @property
     def max_positions(self) -> int:

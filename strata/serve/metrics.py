@@ -32,7 +32,7 @@ DICT_LABELS = {"chunks_per_session": "lane", "tokens_per_session": "lane", "refu
                "weight_bytes": "device", "device_free_bytes": "device", "device_total_bytes": "device"}
 # Dicts of distinct figures (not one figure per label): one gauge each, named key_sub.
 # None means the feature is off; `key_enabled` tells that apart from a cache at zero.
-FLATTENED_KEYS = {"conversation_cache", "expert_cache"}
+FLATTENED_KEYS = {"conversation_cache", "expert_cache", "checkpoints"}
 
 TTFT_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
 ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5)

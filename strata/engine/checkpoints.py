@@ -1,0 +1,139 @@
+"""Recurrent-state checkpoints of the lanes' conversations (`--ctx-checkpoints N`).
+
+A model with recurrent layers (`kv/state.py`) cannot cut a conversation
+back to an arbitrary prefix the way K/V can: its state belongs to the
+lane's whole token list. So while a prompt is read it stops at cut points
+and the lane's state is copied to the host there; a later request that
+diverges from the lane's conversation resumes from the latest checkpoint at
+or before the divergence instead of from token 0 (a regenerated answer from
+the end of its prompt, an edited message from the turn before it).
+
+Cut points of a prompt (`cut_points`): one token before its end (a
+regenerate reads only that token again), every `min_step` tokens of a long
+prompt when set, and wherever the request names one. When a request
+continues a lane's whole conversation, the lane's state at that point (the
+end of the last answer) is kept too.
+
+A checkpoint at position p stays valid while the lane keeps its first p
+tokens: cutting the lane back drops the ones past the cut. A lane keeps at
+most N, dropping the least recently used first.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+
+import torch
+
+from strata.kv.state import StatePool
+
+State = dict[int, dict[str, torch.Tensor]]
+
+
+@dataclass
+class Checkpoint:
+    position: int
+    state: State
+    nbytes: int
+    used: int  # a tick: when it was saved or last restored
+
+
+@dataclass
+class CheckpointStats:
+    saves: int = 0
+    restores: int = 0
+    tokens_reused: int = 0
+    dropped: int = 0
+    held: int = 0
+    bytes: int = 0
+    bytes_per_checkpoint: int = 0
+
+    def as_dict(self) -> dict[str, int]:
+        return asdict(self)
+
+
+def cut_points(start: int, length: int, min_step: int, named: list[int] | None = None) -> list[int]:
+    """Positions in (start, length) where reading a prompt of `length` tokens from `start`
+    stops to save a checkpoint, ascending."""
+    cuts = set(named or [])
+    if length - 1 > 0:
+        cuts.add(length - 1)
+    if min_step > 0:
+        cuts.update(range(min_step, length, min_step))
+    return sorted(c for c in cuts if start < c < length)
+
+
+@dataclass
+class Checkpoints:
+    """Every lane's checkpoints, beside the state pool whose slots they copy."""
+
+    pool: StatePool
+    per_lane: int
+    min_step: int = 0
+    lanes: dict[int, list[Checkpoint]] = field(default_factory=dict)
+    stats: CheckpointStats = field(default_factory=CheckpointStats)
+    _tick: int = 0
+
+    def __post_init__(self) -> None:
+        self.stats.bytes_per_checkpoint = self.pool.bytes_per_lane()
+
+    def _now(self) -> int:
+        self._tick += 1
+        return self._tick
+
+    def _held(self, lane: int) -> list[Checkpoint]:
+        return self.lanes.setdefault(lane, [])
+
+    def save(self, lane: int, position: int) -> None:
+        """Copy the lane's state, which covers its first `position` tokens."""
+        if self.per_lane <= 0 or position <= 0:
+            return
+        held = [c for c in self._held(lane) if c.position != position]
+        state = self.pool.export(lane)
+        held.append(Checkpoint(position, state, self.pool.bytes_per_lane(), self._now()))
+        while len(held) > self.per_lane:
+            held.remove(min(held, key=lambda c: c.used))
+            self.stats.dropped += 1
+        self.lanes[lane] = sorted(held, key=lambda c: c.position)
+        self.stats.saves += 1
+        self._count()
+
+    def best(self, lane: int, limit: int) -> int:
+        """The latest checkpointed position at or before `limit` (0: none, read from the start)."""
+        return max((c.position for c in self._held(lane) if c.position <= limit), default=0)
+
+    def resume(self, lane: int, position: int) -> None:
+        """Put the lane's state back to `position` (a checkpoint of it, or zeros at 0) and drop
+        the checkpoints past it."""
+        self.cut(lane, position)
+        if position == 0:
+            self.pool.load(lane, None)
+            return
+        cp = next(c for c in self._held(lane) if c.position == position)
+        self.pool.load(lane, cp.state)
+        cp.used = self._now()
+        self.stats.restores += 1
+        self.stats.tokens_reused += position
+
+    def cut(self, lane: int, keep: int) -> None:
+        """The lane keeps its first `keep` tokens: checkpoints past them are no longer its own."""
+        held = self._held(lane)
+        kept = [c for c in held if c.position <= keep]
+        self.stats.dropped += len(held) - len(kept)
+        self.lanes[lane] = kept
+        self._count()
+
+    def cut_points(self, start: int, length: int) -> list[int]:
+        """Where reading a prompt of `length` tokens from `start` stops (module docstring)."""
+        return cut_points(start, length, self.min_step) if self.per_lane > 0 else []
+
+    def swap(self, a: int, b: int) -> None:
+        """Conversations moved between lanes: their states (slots, not copies) and checkpoints
+        go with them."""
+        self.pool.swap(a, b)
+        self.lanes[a], self.lanes[b] = self._held(b), self._held(a)
+
+    def _count(self) -> None:
+        held = [c for cs in self.lanes.values() for c in cs]
+        self.stats.held = len(held)
+        self.stats.bytes = sum(c.nbytes for c in held)
