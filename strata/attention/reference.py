@@ -3,7 +3,8 @@
 One engine step reads a set of sequences (`kv/step.py: SeqSpec`), each a run
 of new tokens at positions [start, start + n) of a lane. `TableAttention` writes their K/V
 into the pool and computes causal grouped-query attention over each
-sequence's cells [0, start + n), gathered through its chunk table.
+sequence's cells [0, start + n), gathered through its chunk table (a sliding
+layer's row at p: only positions > p - window; every cell stays in the pool).
 
 On the CPU the rows go to the C++ kernel (`strata/kernels/cpu/loader.py`), which computes
 each query row by itself and so is exact by construction; it needs none of

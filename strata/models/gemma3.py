@@ -29,18 +29,13 @@ from strata.attention.base import AttentionContext
 from strata.models.architecture import Architecture
 from strata.models.base import ModelConfig
 from strata.models.dense import MLP
-from strata.models.layers import Attention, DecoderModel
+from strata.models.layers import Attention, DecoderModel, RMSNorm
 from strata.models.rope import inverse_frequencies, rope_tables
 
 
-class GemmaRMSNorm(nn.Module):
+class GemmaRMSNorm(RMSNorm):
     """x / rms(x) * (1 + weight) in float32, rounded to x's dtype once (Gemma's order, unlike
     Llama's round-then-scale)."""
-
-    def __init__(self, dim: int, eps: float) -> None:
-        super().__init__()
-        self.weight = nn.Parameter(torch.empty(dim))
-        self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         xf = x.float()
@@ -61,8 +56,8 @@ class Gemma3Attention(Attention):
 
     def __init__(self, cfg: ModelConfig, layer_index: int) -> None:
         super().__init__(cfg, layer_index)
-        self.q_norm = GemmaRMSNorm(cfg.head_dim, cfg.rms_norm_eps)  # type: ignore[assignment]
-        self.k_norm = GemmaRMSNorm(cfg.head_dim, cfg.rms_norm_eps)  # type: ignore[assignment]
+        self.q_norm = GemmaRMSNorm(cfg.head_dim, cfg.rms_norm_eps)
+        self.k_norm = GemmaRMSNorm(cfg.head_dim, cfg.rms_norm_eps)
 
 
 class Gemma3Layer(nn.Module):

@@ -169,7 +169,7 @@ class DecoderModel(nn.Module):
     """
 
     layer_class: type[nn.Module] = DecoderLayer
-    norm_class: type[nn.Module] = RMSNorm
+    norm_class: type[RMSNorm] = RMSNorm
 
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
