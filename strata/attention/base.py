@@ -17,6 +17,10 @@ import torch
 from strata.kv.pool import KvPool
 from strata.kv.step import SeqSpec
 
+# what a backend without sliding-window attention says when a layer asks for it
+WINDOW_UNSUPPORTED = ("sliding-window attention (gemma3's local layers) runs on the CPU backend only; "
+                      "the Triton kernels do not take a window yet")
+
 
 class AttentionContext(Protocol):
     """One forward step's view of the KV cache, built by the engine's runner.
@@ -27,8 +31,13 @@ class AttentionContext(Protocol):
     ones up to and including itself.
     """
 
-    def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        """q: [T, Hq, D], k/v: [T, Hkv, D] -> [T, Hq, D]."""
+    def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+               window: int | None = None) -> torch.Tensor:
+        """q: [T, Hq, D], k/v: [T, Hkv, D] -> [T, Hq, D].
+
+        window: a sliding-window layer's row at position p sees only the keys at positions
+        > p - window (Hugging Face's convention); None: all keys up to p.
+        """
         ...
 
 

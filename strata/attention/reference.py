@@ -3,7 +3,8 @@
 One engine step reads a set of sequences (`kv/step.py: SeqSpec`), each a run
 of new tokens at positions [start, start + n) of a lane. `TableAttention` writes their K/V
 into the pool and computes causal grouped-query attention over each
-sequence's cells [0, start + n), gathered through its chunk table.
+sequence's cells [0, start + n), gathered through its chunk table (a sliding
+layer's row at p: only positions > p - window; every cell stays in the pool).
 
 On the CPU the rows go to the C++ kernel (`strata/kernels/cpu/loader.py`), which computes
 each query row by itself and so is exact by construction; it needs none of
@@ -19,7 +20,7 @@ depend on which other sequences, queries or padding were computed beside it.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -43,7 +44,8 @@ class _Group:
     lp: int  # padded key length, a multiple of BLOCK
     out_rows: torch.Tensor  # [R] flattened token indices of valid rows
     out_sel: torch.Tensor  # [R] indices into the group's S * nmax rows
-    hidden: torch.Tensor | None = None  # [S*Hkv, nb, nmax*G, BLOCK] bool: keys a query must not see
+    # per window (None: causal only), [S*Hkv, nb, nmax*G, BLOCK] bool: keys a query must not see
+    hidden: dict[int | None, torch.Tensor] = field(default_factory=dict)
     block_of: torch.Tensor | None = None  # [S*Hkv, 1, nmax*G, D+1] the block each query reads
     ones: torch.Tensor | None = None  # [S*Hkv, nb, BLOCK, D+1]: V of the layer, then a column of
     # ones that sums the probabilities in the same matmul
@@ -134,47 +136,62 @@ class TableAttention:
         # plain cells are read in place; other formats are dequantized first, one layer at a time
         self.in_place = pool.in_place and isinstance(pool.fmt, PlainFormat)
 
-    def _attend_kernel(self, layer: int, q: torch.Tensor) -> torch.Tensor:
+    def _attend_kernel(self, layer: int, q: torch.Tensor, window: int | None) -> torch.Tensor:
         if q.dtype not in KERNEL_DTYPES:
             raise TypeError(f"the CPU attention kernel computes in {KERNEL_DTYPES}, not {q.dtype}")
+        w = window or 0  # the kernel's 0: no window
         if self.in_place:
             st = self.pool.storage(layer)
             out = self.kernel.attend(q, st["k"], st["v"], self.cells, self.row_seq, self.row_pos,
-                                     self.scale)
+                                     self.scale, w)
         else:
             kc, vc = self.pool.read(layer, self.cells.reshape(-1), q.dtype)
             local = torch.arange(self.cells.numel()).view(self.cells.shape)
             out = self.kernel.attend(q, kc.contiguous(), vc.contiguous(), local, self.row_seq,
-                                     self.row_pos, self.scale)
+                                     self.row_pos, self.scale, w)
         return self.fmt.finish_output(out)
 
-    def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+               window: int | None = None) -> torch.Tensor:
         self.pool.write(layer, self.write_cells, k, v)
         if self.kernel is not None:
-            return self._attend_kernel(layer, q.contiguous())
+            return self._attend_kernel(layer, q.contiguous(), window)
         if len(self.groups) == 1 and self.groups[0].in_order and self.groups[0].rows.shape[1] == 1:
-            return self.fmt.finish_output(self._attend_group(layer, self.groups[0], q).squeeze(1))
+            return self.fmt.finish_output(self._attend_group(layer, self.groups[0], q, window).squeeze(1))
         out = torch.empty_like(q)
         for g in self.groups:
-            o = self._attend_group(layer, g, q)
+            o = self._attend_group(layer, g, q, window)
             out[g.out_rows] = o.reshape(-1, *o.shape[2:])[g.out_sel]
         return self.fmt.finish_output(out)
 
     @staticmethod
+    def _hidden(g: _Group, hkv: int, grp: int, window: int | None) -> torch.Tensor:
+        """The keys each query must not see, shared by every layer of the step with this window
+        (made on first use)."""
+        if window in g.hidden:
+            return g.hidden[window]
+        S, nmax = g.rows.shape
+        lp = g.lp
+        key_pos = torch.arange(lp, device=g.qpos.device)[None, None, :]
+        allowed = key_pos <= g.qpos[:, :, None]  # [S,nmax,Lp]
+        if window is not None:
+            allowed &= key_pos > g.qpos[:, :, None] - window
+        allowed = allowed[:, None, :, None, :].expand(S, hkv, nmax, grp, lp)
+        allowed = allowed.reshape(S * hkv, nmax * grp, lp // BLOCK, BLOCK).transpose(1, 2)
+        g.hidden[window] = ~allowed.contiguous()  # [S*Hkv, nb, nmax*G, BLOCK], the layout of the scores
+        return g.hidden[window]
+
+    @staticmethod
     def _prepare(g: _Group, hkv: int, grp: int, d: int, dtype: torch.dtype) -> None:
-        """Masks and indices shared by every layer of the step (made on first use)."""
+        """Indices and buffers shared by every layer of the step (made on first use)."""
         S, nmax = g.rows.shape
         lp = g.lp
         dev = g.qpos.device
-        allowed = torch.arange(lp, device=dev)[None, None, :] <= g.qpos[:, :, None]  # [S,nmax,Lp]
-        allowed = allowed[:, None, :, None, :].expand(S, hkv, nmax, grp, lp)
-        allowed = allowed.reshape(S * hkv, nmax * grp, lp // BLOCK, BLOCK).transpose(1, 2)
-        g.hidden = ~allowed.contiguous()  # [S*Hkv, nb, nmax*G, BLOCK], the layout of the scores
         qb = (g.qpos // BLOCK)[:, None, :, None].expand(S, hkv, nmax, grp)
         g.block_of = qb.reshape(S * hkv, 1, nmax * grp, 1).expand(-1, -1, -1, d + 1).contiguous()
         g.ones = torch.ones(S * hkv, lp // BLOCK, BLOCK, d + 1, dtype=dtype, device=dev)
 
-    def _attend_group(self, layer: int, g: _Group, q: torch.Tensor) -> torch.Tensor:
+    def _attend_group(self, layer: int, g: _Group, q: torch.Tensor, window: int | None) -> torch.Tensor:
         S, nmax = g.rows.shape
         hq, d = q.shape[1], q.shape[2]
         if g.spans is not None:  # consecutive cells: views of the pool, no gather
@@ -194,10 +211,10 @@ class TableAttention:
         qh = qg.permute(0, 2, 1, 3, 4).reshape(S * hkv, 1, nmax * grp, d)
         # keys block-major, [S*Hkv, nb, D, BLOCK]: scores come out in the layout p @ V reads
         kh = kc.view(S, nb, BLOCK, hkv, d).permute(0, 3, 1, 4, 2).reshape(S * hkv, nb, d, BLOCK)
-        if g.hidden is None or g.ones is None or g.ones.dtype != q.dtype:
+        if g.ones is None or g.ones.dtype != q.dtype:
             self._prepare(g, hkv, grp, d, q.dtype)
         scores = torch.matmul(qh, kh).float().mul_(self.scale)  # [S*Hkv, nb, nmax*G, BLOCK]
-        scores.masked_fill_(g.hidden, float("-inf"))
+        scores.masked_fill_(self._hidden(g, hkv, grp, window), float("-inf"))
         peak = scores.amax(dim=(1, 3), keepdim=True)  # each query's largest score over all blocks
         pb = torch.exp(scores - peak).to(q.dtype)
         # V block-major beside a column of ones, in one copy into the step's buffer

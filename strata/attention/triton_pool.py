@@ -15,6 +15,7 @@ import weakref
 
 import torch
 
+from strata.attention.base import WINDOW_UNSUPPORTED
 from strata.attention.layout import halves
 from strata.kernels.triton.decode import DecodeBatch, decode_attention
 from strata.kernels.triton.half import Half
@@ -111,8 +112,11 @@ class GpuTableAttention:
         self.prefill = PrefillBatch(empty, empty, empty, empty, empty, empty)
         return self
 
-    def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+               window: int | None = None) -> torch.Tensor:
         """Store k, v [T, Hkv, D] at the step's cells; causal attention of q [T, Hq, D] -> [T, Hq, D]."""
+        if window is not None:
+            raise NotImplementedError(WINDOW_UNSUPPORTED)
         kh, vh = _layer_halves(self.pool, layer)
         if self.plain:
             write_plain(kh.data, vh.data, self.write_cells, k, v)

@@ -38,6 +38,7 @@ from functools import cached_property
 import numpy as np
 import torch
 
+from strata.attention.base import WINDOW_UNSUPPORTED
 from strata.kv.formats import K8V4Format, PlainFormat
 from strata.kv.pool import KvPool
 from strata.kv.step import SeqSpec, StepCells, cells_at, step_cells
@@ -201,8 +202,11 @@ class GpuStreamAttention:
         else:
             write_quantized(kh, vh, rows, k, v, self.rotate_v)
 
-    def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+               window: int | None = None) -> torch.Tensor:
         """Store k, v [T, Hkv, D]; causal attention of q [T, Hq, D] over the cache -> [T, Hq, D]."""
+        if window is not None:
+            raise NotImplementedError(WINDOW_UNSUPPORTED)
         state, plan = self.state, self.plan
         layer -= self.first  # the store's own index
         if not self.overlap:

@@ -7,6 +7,7 @@ need; an architecture whose layers differ more can pass its own `model_class`.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from strata.models.layers import DecoderModel
@@ -28,3 +29,15 @@ class Architecture:
     # and down matrices (Qwen: mlp.experts.{e}.gate_proj; Mixtral: block_sparse_moe.experts.{e}.w1)
     hf_experts: tuple[str, str, str, str] = ("mlp", "gate_proj", "up_proj", "down_proj")
     model_class: type[DecoderModel] = DecoderModel
+    activation: str = "silu"  # the MLP's gate activation, as config.json names it
+    hf_tied: bool = False  # tie_word_embeddings where config.json omits it (transformers' default)
+    # GGUF layer tensor names that differ from llama's (`naming.py`), (parameter, stored name) pairs
+    gguf_layer_names: tuple[tuple[str, str], ...] = ()
+    gguf_norm_offset: float = 0.0  # llama.cpp stores norm weights w as w + offset (Gemma: 1)
+    # Sliding-window layers where a config.json or GGUF file does not list them (transformers and
+    # llama.cpp fix them per architecture): every n-th layer global (0: none slide), and the
+    # sliding layers' RoPE base
+    sliding_pattern: int = 0
+    local_rope_theta: float | None = None
+    # a GGUF file's query_pre_attn_scalar (no key holds it) from (layers, hidden, heads, head_dim)
+    gguf_query_scalar: Callable[[int, int, int, int], float] | None = None

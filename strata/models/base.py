@@ -43,11 +43,22 @@ class ModelConfig:
     norm_topk_prob: bool = True  # the k chosen weights rescaled to sum to 1
     shared_expert_ffn: int = 0  # a shared expert with a sigmoid gate beside the routed ones (qwen2_moe)
     dense_layers: tuple[int, ...] = ()  # layers that keep a dense MLP in a MoE model
+    # Sliding-window attention (gemma3): the listed layers' queries see their last
+    # `sliding_window` keys, themselves included, and rotate with their own RoPE base.
+    sliding_window: int | None = None
+    sliding_layers: tuple[int, ...] = ()
+    rope_local_theta: float | None = None  # the sliding layers' RoPE base (never scaled); None: rope_theta
+    query_pre_attn_scalar: float | None = None  # attention scale = its -1/2 power; None: head_dim's
+    final_logit_softcap: float | None = None  # logits -> cap * tanh(logits / cap)
 
     def sparse(self, layer: int) -> bool:
         """Whether `layer`'s MLP is a mixture of experts."""
         return self.num_experts > 0 and layer not in self.dense_layers
 
+    def window(self, layer: int) -> int | None:
+        """The keys `layer`'s queries see (None: all before them)."""
+        return self.sliding_window if layer in self.sliding_layers else None
+
     @property
     def attn_scale(self) -> float:
-        return self.head_dim**-0.5
+        return (self.query_pre_attn_scalar or self.head_dim) ** -0.5

@@ -1,8 +1,8 @@
 """ModelConfig from a Hugging Face config.json or from GGUF metadata.
 
 Everything a loaded model cannot honour (an unknown architecture, a rope
-scaling kind, sliding windows, MLP biases) is refused here with a
-ModelLoadError, before any weight is read.
+scaling kind, sliding windows outside gemma3, MLP biases) is refused here
+with a ModelLoadError, before any weight is read.
 """
 
 from __future__ import annotations
@@ -64,13 +64,24 @@ def config_from_hf(path: str, d: dict[str, Any]) -> tuple[Architecture, ModelCon
             raise ModelLoadError(path, f"config.json lacks {key!r}")
         return d[key]
 
-    if d.get("hidden_act", "silu") != "silu":
-        raise ModelLoadError(path, f"activation {d['hidden_act']!r} is not supported (only silu)")
+    act = d.get("hidden_activation") or d.get("hidden_act") or arch.activation
+    if act != arch.activation:
+        raise ModelLoadError(path, f"activation {act!r} is not supported (only {arch.activation})")
     if d.get("mlp_bias"):
         raise ModelLoadError(path, "MLP biases are not supported")
     if d.get("use_sliding_window"):
         raise ModelLoadError(path, "sliding-window attention is not supported")
+    if d.get("use_bidirectional_attention"):
+        raise ModelLoadError(path, "bidirectional attention is not supported")
+    if d.get("attn_logit_softcapping") is not None:
+        raise ModelLoadError(path, "attention logit soft-capping is not supported")
     params = d.get("rope_parameters") or {}
+    local: dict[str, Any] = {}
+    if "full_attention" in params or "sliding_attention" in params:  # per layer type (gemma3)
+        local = params.get("sliding_attention") or {}
+        params = params.get("full_attention") or {}
+    if rope_type(local) != "default":
+        raise ModelLoadError(path, f"rope scaling {rope_type(local)!r} on sliding layers is not supported")
     if float(params.get("partial_rotary_factor", d.get("partial_rotary_factor", 1.0))) != 1.0:
         raise ModelLoadError(path, "partial rotary embeddings are not supported")
     theta = float(params.get("rope_theta", d.get("rope_theta", 10000.0)))
@@ -83,6 +94,8 @@ def config_from_hf(path: str, d: dict[str, Any]) -> tuple[Architecture, ModelCon
         bias = bool(d.get("qkv_bias", False))  # qwen2_moe's spelling
     layers = int(need("num_hidden_layers"))
     ffn = int(need("intermediate_size"))
+    scalar = d.get("query_pre_attn_scalar")
+    cap = d.get("final_logit_softcapping")
     cfg = ModelConfig(
         arch=arch.name,
         vocab_size=int(need("vocab_size")),
@@ -96,14 +109,61 @@ def config_from_hf(path: str, d: dict[str, Any]) -> tuple[Architecture, ModelCon
         rope_theta=theta,
         rope_scaling=scaling,
         max_position_embeddings=int(d.get("max_position_embeddings", 4096)),
-        tie_word_embeddings=bool(d.get("tie_word_embeddings", False)),
+        tie_word_embeddings=bool(d.get("tie_word_embeddings", arch.hf_tied)),
         attention_bias=bool(d.get("attention_bias", False)) if bias is None else bias,
         qk_norm=arch.qk_norm,
         bos_token_id=d.get("bos_token_id"),
         eos_token_ids=_eos_list(d.get("eos_token_id")),
+        query_pre_attn_scalar=None if scalar is None else float(scalar),
+        final_logit_softcap=None if cap is None else float(cap),
+        **_hf_sliding(path, d, arch, layers, local),
         **_hf_experts(path, d, arch, ffn, layers),
     )
     return arch, cfg
+
+
+def _every_nth_global(layers: int, n: int) -> tuple[int, ...]:
+    """Layers that slide when every n-th is global (transformers' and llama.cpp's pattern)."""
+    return tuple(i for i in range(layers) if n and (i + 1) % n)
+
+
+def _hf_sliding(path: str, d: dict[str, Any], arch: Architecture, layers: int,
+                local: dict[str, Any]) -> dict[str, Any]:
+    """The sliding-window fields of a config.json: `layer_types`, else the architecture's
+    pattern (or the config's `sliding_window_pattern`); none without a window."""
+    window = d.get("sliding_window")
+    if not arch.sliding_pattern or window is None:
+        return {}
+    types = d.get("layer_types")
+    if types is None:
+        sliding = _every_nth_global(layers, int(d.get("sliding_window_pattern") or arch.sliding_pattern))
+    else:
+        if len(types) != layers or set(types) - {"sliding_attention", "full_attention"}:
+            raise ModelLoadError(path, f"layer_types {types} is not one of sliding_attention or "
+                                       f"full_attention for each of {layers} layers")
+        sliding = tuple(i for i, t in enumerate(types) if t == "sliding_attention")
+    theta = local.get("rope_theta", d.get("rope_local_base_freq", arch.local_rope_theta))
+    return dict(sliding_window=int(window), sliding_layers=sliding,
+                rope_local_theta=None if theta is None else float(theta))
+
+
+def _gguf_sliding(path: str, a: str, get: Any, arch: Architecture, layers: int) -> dict[str, Any]:
+    """The sliding-window fields of GGUF metadata: `{a}.attention.sliding_window`, the layers from
+    `.sliding_window_pattern` (every n-th global, or one flag a layer) or the architecture's."""
+    window = get("attention.sliding_window")
+    if not window:
+        return {}
+    pattern = get("attention.sliding_window_pattern", arch.sliding_pattern)
+    if isinstance(pattern, (list, tuple)):
+        if len(pattern) != layers:
+            raise ModelLoadError(path, f"{a}.attention.sliding_window_pattern has {len(pattern)} "
+                                       f"entries for {layers} layers")
+        sliding = tuple(i for i, flag in enumerate(pattern) if flag)
+    else:
+        sliding = _every_nth_global(layers, int(pattern))
+    theta = get("rope.freq_base_swa", arch.local_rope_theta)
+    return dict(sliding_window=int(window), sliding_layers=sliding,
+                rope_local_theta=None if theta is None else float(theta))
 
 
 def _hf_experts(path: str, d: dict[str, Any], arch: Architecture, ffn: int, layers: int) -> dict[str, Any]:
@@ -209,6 +269,14 @@ def config_from_gguf(
     elif kind != "none":
         _unsupported_rope(path, kind)
 
+    if get("attn_logit_softcapping") is not None:
+        raise ModelLoadError(path, "attention logit soft-capping is not supported")
+    scale = get("attention.scale")
+    scalar = (None if arch.gguf_query_scalar is None
+              else float(arch.gguf_query_scalar(layers, hidden, heads, head_dim)))
+    if scale is not None:
+        scalar = float(scale) ** -2
+    cap = get("final_logit_softcapping")
     bias = arch.attention_bias
     cfg = ModelConfig(
         arch=a,
@@ -235,6 +303,9 @@ def config_from_gguf(
                 if metadata.get(k) is not None
             )
         ),
+        query_pre_attn_scalar=scalar,
+        final_logit_softcap=None if cap is None else float(cap),
+        **_gguf_sliding(path, a, get, arch, layers),
         **_gguf_experts(path, a, get, arch, ffn, layers, tensor_names),
     )
     return arch, cfg

@@ -58,6 +58,7 @@ class Attention(nn.Module):
         self.o_proj = Linear(self.q_size, cfg.hidden_size, bias=False)
         self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
         self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
+        self.window = cfg.window(layer_index)  # None, or a sliding layer's window
 
     def forward(
         self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, ctx: AttentionContext
@@ -92,7 +93,7 @@ class Attention(nn.Module):
             v = qkv[:, self.qk_heads :].contiguous()
         else:
             q, k, v = ops.rope_qkv(qkv, cos, sin, hq, self.num_kv_heads, self.head_dim)
-        return ctx.attend(self.layer_index, q, k, v).reshape(t, self.q_size)
+        return ctx.attend(self.layer_index, q, k, v, window=self.window).reshape(t, self.q_size)
 
 
 class DecoderLayer(nn.Module):
@@ -163,15 +164,20 @@ class DecoderModel(nn.Module):
     """Token ids and positions in, final-normed hidden states out; logits on demand.
 
     Built on the meta device by the loader and filled with `assign=True`; the
-    RoPE tables (not weights) are made afterwards by `set_max_positions`.
+    RoPE tables (not weights) are made afterwards by `set_max_positions`. An
+    architecture with other layers or norms (`gemma3.py`) names its classes in
+    `layer_class` and `norm_class`.
     """
+
+    layer_class: type[nn.Module] = DecoderLayer
+    norm_class: type[RMSNorm] = RMSNorm
 
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
         self.config = cfg
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(cfg, i) for i in range(cfg.num_layers))
-        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.layers = nn.ModuleList(self.layer_class(cfg, i) for i in range(cfg.num_layers))
+        self.norm = self.norm_class(cfg.hidden_size, cfg.rms_norm_eps)
         self.lm_head = (
             None
             if cfg.tie_word_embeddings

@@ -285,10 +285,11 @@ def _fill(
         device = placement.device_of(pname)
         assert device is not None
         for part in parts:
-            t = source.load(part.name, device, dtype)
+            t = source.load(part.name, device, torch.float32 if part.exact else dtype)
             if part.reshape:
                 t = t.reshape(part.rows, *model.get_parameter(pname).shape[1:])
-            pieces.append(part.fix(t) if part.fix is not None else t)
+            t = part.fix(t) if part.fix is not None else t
+            pieces.append(t.to(dtype) if part.exact else t)
         state[pname] = pieces[0] if len(pieces) == 1 else torch.cat(pieces, dim=0)
     kept = set(model.state_dict())  # persistent buffers: the blocks `install_blocks` read already
     state.update((n, b) for n, b in model.named_buffers(remove_duplicate=False) if n in kept)

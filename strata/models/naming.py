@@ -28,6 +28,7 @@ class Part:
     # the stored tensor has the slot's values in another shape (one expert's [I, H] matrix is a
     # row of [E, I, H]; a [H] gate vector is the [1, H] weight): read, then reshaped
     reshape: bool = False
+    exact: bool = False  # read in float32, fixed, then cast: the fix must not round in the compute dtype
 
 
 _LAYER = re.compile(r"layers\.(\d+)\.(.+)")
@@ -35,6 +36,8 @@ _LAYER = re.compile(r"layers\.(\d+)\.(.+)")
 _HF_LAYER = {
     "input_layernorm.weight": ["input_layernorm.weight"],
     "post_attention_layernorm.weight": ["post_attention_layernorm.weight"],
+    "pre_feedforward_layernorm.weight": ["pre_feedforward_layernorm.weight"],  # gemma3's sandwich norms
+    "post_feedforward_layernorm.weight": ["post_feedforward_layernorm.weight"],
     "self_attn.o_proj.weight": ["self_attn.o_proj.weight"],
     "self_attn.q_norm.weight": ["self_attn.q_norm.weight"],
     "self_attn.k_norm.weight": ["self_attn.k_norm.weight"],
@@ -116,17 +119,26 @@ def unpermute_rows(t: torch.Tensor, n_heads: int) -> torch.Tensor:
     return t.reshape(n_heads, half, 2, *rest).transpose(1, 2).reshape(rows, *rest)
 
 
+def _norm_offset(arch: Architecture) -> Fix:
+    """llama.cpp stores Gemma's norm weights w as the factor 1 + w: back to w."""
+    return lambda t: t - arch.gguf_norm_offset
+
+
 def gguf_parts(param: str, rows: int, cfg: ModelConfig, arch: Architecture) -> list[Part]:
     """Parts of `param` in a GGUF file (llama.cpp's names)."""
+    offset = bool(arch.gguf_norm_offset) and param.endswith("norm.weight")
     if param in _GGUF_TOP:
-        return [Part(_GGUF_TOP[param], rows)]
+        return [Part(_GGUF_TOP[param], rows, _norm_offset(arch) if offset else None, exact=offset)]
     m = _LAYER.fullmatch(param)
     if m is None:
         raise KeyError(param)
     layer, rest = m.groups()
     if rest in _GGUF_VECTORS:
         return [Part(f"blk.{layer}.{_GGUF_VECTORS[rest]}", rows, reshape=True)]
-    names = _GGUF_LAYER[rest]
+    own = dict(arch.gguf_layer_names)
+    names = [own[rest]] if rest in own else _GGUF_LAYER[rest]
+    if offset:
+        return [Part(f"blk.{layer}.{names[0]}", rows, _norm_offset(arch), exact=True)]
     counts = _rows(cfg, rest, rows, len(names))
     fixes: list[Fix | None] = [None] * len(names)
     if arch.gguf_qk_permuted and rest.startswith("self_attn.qkv_proj"):

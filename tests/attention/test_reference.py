@@ -24,22 +24,26 @@ def _pool(dtype_name: str, pool_tokens: int | None, lanes: int = 3, chunk: int =
     return KvPool(make_format(dtype_name, HKV, D), 1, lanes, 200, chunk, pool_tokens)
 
 
-def _sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, start: int) -> torch.Tensor:
-    """Causal GQA attention of queries at positions start.. over keys 0..start+n-1."""
+def _sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, start: int,
+          window: int | None = None) -> torch.Tensor:
+    """Causal GQA attention of queries at positions start.. over keys 0..start+n-1 (the last
+    `window` of them, where given)."""
     n, L = q.shape[0], k.shape[0]
     kk = k.repeat_interleave(HQ // HKV, dim=1)
     vv = v.repeat_interleave(HQ // HKV, dim=1)
     s = torch.einsum("qhd,khd->hqk", q.double(), kk.double()) * D**-0.5
     pos = torch.arange(start, start + n)[:, None]
-    s = s.masked_fill(torch.arange(L)[None, :] > pos, float("-inf"))
+    key_pos = torch.arange(L)[None, :]
+    hidden = key_pos > pos if window is None else (key_pos > pos) | (key_pos <= pos - window)
+    s = s.masked_fill(hidden, float("-inf"))
     return torch.einsum("hqk,khd->qhd", torch.softmax(s, -1), vv.double())
 
 
-def _run(pool: KvPool, seqs: list[SeqSpec], q, k, v) -> torch.Tensor:
+def _run(pool: KvPool, seqs: list[SeqSpec], q, k, v, window: int | None = None) -> torch.Tensor:
     for s in seqs:
         assert pool.reserve(s.lane, s.end)
     ctx = TableAttention(pool, seqs, D**-0.5, kernel=PATH["kernel"])
-    return ctx.attend(0, q, k, v)
+    return ctx.attend(0, q, k, v, window=window)
 
 
 def test_matches_sdpa_over_prefill_then_decode_float32() -> None:
@@ -96,3 +100,26 @@ def test_bf16_result_independent_of_batch_company_and_chunking() -> None:
                    torch.cat([other_v[o : o + 1], va[p : p + 1]]))
         pieces.append(out[1:])
     assert torch.equal(torch.cat(pieces), alone)
+
+
+@pytest.mark.parametrize("window", [1, 5, 130])
+def test_window_matches_sdpa_over_prefill_then_decode(window: int) -> None:
+    """A sliding layer's rows see the keys at positions > p - window: over a prompt read with
+    another lane beside it (spanning two torch blocks), then one decode row."""
+    torch.manual_seed(1)
+    pool = _pool("fp32", pool_tokens=None)
+    lens = {0: 150, 1: 9}
+    hist = {s: (torch.randn(n + 1, HKV, D), torch.randn(n + 1, HKV, D)) for s, n in lens.items()}
+    q = torch.randn(sum(lens.values()), HQ, D)
+    out = _run(pool, [SeqSpec(s, 0, n) for s, n in lens.items()], q,
+               torch.cat([hist[s][0][:n] for s, n in lens.items()]),
+               torch.cat([hist[s][1][:n] for s, n in lens.items()]), window)
+    off = 0
+    for s, n in lens.items():
+        ref = _sdpa(q[off : off + n], hist[s][0][:n], hist[s][1][:n], 0, window)
+        torch.testing.assert_close(out[off : off + n].double(), ref, atol=1e-5, rtol=1e-5)
+        off += n
+    qd = torch.randn(1, HQ, D)
+    k, v = hist[0]
+    out = _run(pool, [SeqSpec(0, lens[0], 1)], qd, k[-1:], v[-1:], window)
+    torch.testing.assert_close(out.double(), _sdpa(qd, k, v, lens[0], window), atol=1e-5, rtol=1e-5)

@@ -60,9 +60,10 @@ class SlowUpload(GpuStreamAttention):
 class SlowCompute(GpuStreamAttention):
     """Every layer's reads start late: a copy stream that does not wait overwrites them first."""
 
-    def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+               window: int | None = None) -> torch.Tensor:
         torch.cuda._sleep(SLEEP)
-        return super().attend(layer, q, k, v)
+        return super().attend(layer, q, k, v, window)
 
 
 def _decode_many(fmt: str, overlap: bool, steps: int, slow: str = "", gather: bool = True) -> dict:

@@ -1,8 +1,8 @@
 """A test-only AttentionContext: one sequence, all K/V kept in per-layer lists.
 
 It stands in for the pool-based context so model code can be checked against
-transformers without the KV pool. Attention is plain causal SDPA with the
-KV heads repeated for grouped-query attention.
+transformers without the KV pool. Attention is plain causal SDPA (within the window of a
+sliding layer) with the KV heads repeated for grouped-query attention.
 """
 
 from __future__ import annotations
@@ -22,7 +22,8 @@ class DenseContext:
     def cached(self, layer: int) -> int:
         return sum(t.shape[0] for t in self.k[layer])
 
-    def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+               window: int | None = None) -> torch.Tensor:
         start = self.cached(layer)
         self.k[layer].append(k)
         self.v[layer].append(v)
@@ -33,9 +34,11 @@ class DenseContext:
         values = values.repeat_interleave(group, dim=1)
         t, s = q.shape[0], keys.shape[0]
         dev = q.device
-        mask = (
-            torch.arange(s, device=dev)[None, :] <= (start + torch.arange(t, device=dev))[:, None]
-        )
+        key_pos = torch.arange(s, device=dev)[None, :]
+        q_pos = (start + torch.arange(t, device=dev))[:, None]
+        mask = key_pos <= q_pos
+        if window is not None:  # a sliding layer: the last `window` keys, itself included
+            mask &= key_pos > q_pos - window
         out = F.scaled_dot_product_attention(
             q.transpose(0, 1),
             keys.transpose(0, 1),

@@ -1,8 +1,9 @@
 """Write a tiny transformers model as a GGUF file, the way llama.cpp's converter lays it out.
 
 That means llama.cpp's tensor names, llama's Q/K rows permuted for its RoPE
-kernel, Llama 3 rope scaling as a `rope_freqs.weight` tensor, and some
-tensors quantized, so loading it exercises every path of the GGUF loader.
+kernel, Llama 3 rope scaling as a `rope_freqs.weight` tensor, Gemma's norm
+weights stored as 1 + w with its sandwich norms' own names, and some tensors
+quantized, so loading it exercises every path of the GGUF loader.
 """
 
 from __future__ import annotations
@@ -35,6 +36,13 @@ LAYER_NAMES = {
     "mlp.shared_expert_gate": "ffn_gate_inp_shexp",
 }
 
+# gemma3's names where they differ from llama's (gguf-py's ATTN_POST_NORM, FFN_PRE_NORM, FFN_POST_NORM)
+GEMMA3_NAMES = {
+    "post_attention_layernorm": "post_attention_norm",
+    "pre_feedforward_layernorm": "ffn_norm",
+    "post_feedforward_layernorm": "post_ffw_norm",
+}
+
 # the quantized types of this test file: at least one of each block family
 DEFAULT_TYPES = {
     "attn_q.weight": Q.Q8_0,
@@ -45,7 +53,7 @@ DEFAULT_TYPES = {
 }
 
 
-def _tensors(model: torch.nn.Module) -> list[tuple[str, np.ndarray]]:
+def _tensors(model: torch.nn.Module, arch: str) -> list[tuple[str, np.ndarray]]:
     """(GGUF name, float32 data) of every tensor; transformers 5 holds a layer's experts as
     fused [E, 2I, H] gate/up and [E, H, I] down parameters, which llama.cpp stores as
     ffn_gate_exps, ffn_up_exps and ffn_down_exps."""
@@ -60,8 +68,10 @@ def _tensors(model: torch.nn.Module) -> list[tuple[str, np.ndarray]]:
             out.append((f"blk.{hf_name.split('.')[2]}.ffn_down_exps.weight", data))
         elif hf_name.endswith("mlp.shared_expert_gate.weight"):
             out.append((gguf_name(hf_name), data.reshape(-1)))  # llama.cpp keeps it as a vector
+        elif arch == "gemma3" and hf_name.endswith("norm.weight"):
+            out.append((gguf_name(hf_name, arch), data + 1))  # llama.cpp's converter adds Gemma's 1
         else:
-            out.append((gguf_name(hf_name), data))
+            out.append((gguf_name(hf_name, arch), data))
     return out
 
 
@@ -76,7 +86,7 @@ def _add_experts(w: GGUFWriter, cfg) -> None:
         w.add_expert_shared_feed_forward_length(cfg.shared_expert_intermediate_size)
 
 
-def gguf_name(hf_name: str) -> str:
+def gguf_name(hf_name: str, arch: str = "llama") -> str:
     if hf_name == "model.embed_tokens.weight":
         return "token_embd.weight"
     if hf_name == "model.norm.weight":
@@ -85,7 +95,8 @@ def gguf_name(hf_name: str) -> str:
         return "output.weight"
     _, _, layer, rest = hf_name.split(".", 3)
     module, kind = rest.rsplit(".", 1)
-    return f"blk.{layer}.{LAYER_NAMES[module]}.{kind}"
+    names = {**LAYER_NAMES, **GEMMA3_NAMES} if arch == "gemma3" else LAYER_NAMES
+    return f"blk.{layer}.{names[module]}.{kind}"
 
 
 def permute_rows(w: np.ndarray, n_heads: int) -> np.ndarray:
@@ -117,6 +128,21 @@ def llama3_freq_factors(cfg) -> np.ndarray:
     return np.array(out, dtype=np.float32)
 
 
+def _add_gemma3(w: GGUFWriter, cfg) -> None:
+    """The window and its layers, the local RoPE base, the attention scale and the logit cap.
+
+    llama.cpp's converter writes only the window and the cap and fixes the rest for the
+    architecture; the layers are left to that rule (every 6th global) when they follow it."""
+    w.add_sliding_window(cfg.sliding_window)
+    pattern = [t == "sliding_attention" for t in cfg.layer_types]
+    if pattern != [bool((i + 1) % 6) for i in range(cfg.num_hidden_layers)]:
+        w.add_sliding_window_pattern(pattern)
+    w.add_rope_freq_base_swa(cfg.rope_parameters["sliding_attention"]["rope_theta"])
+    w.add_attention_scale(cfg.query_pre_attn_scalar**-0.5)
+    if cfg.final_logit_softcapping is not None:
+        w.add_final_logit_softcapping(cfg.final_logit_softcapping)
+
+
 def write_gguf(
     model: torch.nn.Module,
     path: Path,
@@ -142,19 +168,23 @@ def write_gguf(
     w.add_key_length(head_dim)
     w.add_value_length(head_dim)
     w.add_rope_dimension_count(head_dim)
-    w.add_rope_freq_base(cfg.rope_parameters["rope_theta"])
+    rope = cfg.rope_parameters
+    if arch == "gemma3":
+        _add_gemma3(w, cfg)
+        rope = rope["full_attention"]
+    w.add_rope_freq_base(rope["rope_theta"])
     w.add_layer_norm_rms_eps(cfg.rms_norm_eps)
     w.add_vocab_size(cfg.vocab_size)
     w.add_bos_token_id(cfg.bos_token_id)
     w.add_eos_token_id(cfg.eos_token_id)
     _add_experts(w, cfg)
-    if cfg.rope_parameters.get("rope_type") == "llama3":
+    if rope.get("rope_type") == "llama3":
         w.add_tensor("rope_freqs.weight", llama3_freq_factors(cfg))
-    elif cfg.rope_parameters.get("rope_type") == "linear":
+    elif rope.get("rope_type") == "linear":
         w.add_rope_scaling_type(RopeScalingType.LINEAR)
-        w.add_rope_scaling_factor(cfg.rope_parameters["factor"])
+        w.add_rope_scaling_factor(rope["factor"])
     tied = cfg.tie_word_embeddings
-    for name, data in _tensors(model):
+    for name, data in _tensors(model, arch):
         if tied and name == "output.weight":
             continue
         if name in skip:

@@ -14,6 +14,7 @@ from typing import Any
 import torch
 from transformers import (
     AutoModelForCausalLM,
+    Gemma3TextConfig,
     LlamaConfig,
     MixtralConfig,
     Qwen2Config,
@@ -45,6 +46,11 @@ LLAMA3_ROPE = {
     "original_max_position_embeddings": 64,
 }
 
+GEMMA3_ROPE = {
+    "sliding_attention": {"rope_type": "default", "rope_theta": 100.0},
+    "full_attention": {"rope_type": "linear", "rope_theta": 10000.0, "factor": 2.0},
+}
+
 CONFIGS = {
     "llama": lambda: LlamaConfig(**COMMON, rope_parameters=LLAMA3_ROPE),
     "llama_linear": lambda: LlamaConfig(
@@ -68,6 +74,12 @@ CONFIGS = {
                                                                              "rope_theta": 10000.0}),
     # transformers' GGUF loader ignores qwen3's key_length and assumes 128
     "qwen3_hd128": lambda: Qwen3Config(**COMMON, head_dim=128),
+    # 5 sliding layers (window 8, so PROMPT crosses it) and 1 global; local and global RoPE bases
+    # apart, linear scaling on the global one; a query scalar that is not head_dim; capped logits
+    "gemma3": lambda: Gemma3TextConfig(**{**COMMON, "num_attention_heads": 2, "num_key_value_heads": 1,
+                                          "num_hidden_layers": 6},
+                                       head_dim=32, sliding_window=8, query_pre_attn_scalar=24,
+                                       final_logit_softcapping=3.0, rope_parameters=GEMMA3_ROPE),
 }
 
 PROMPT = [1, 17, 200, 33, 5, 90, 91, 255, 4, 64, 128, 7, 7, 42, 100, 3, 250, 12, 61, 8]

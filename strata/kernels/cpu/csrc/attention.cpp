@@ -217,9 +217,11 @@ void attend_row(const Q* q, const KV* k, const KV* v, int64_t cell_stride, const
   }
 }
 
+// window > 0: row t reads only the last `window` positions up to its own (a sliding-window layer)
 template <typename Q, typename KV>
 void attend_all(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& cells,
-                const at::Tensor& row_seq, const at::Tensor& row_pos, float scale, at::Tensor& out) {
+                const at::Tensor& row_seq, const at::Tensor& row_pos, float scale, int64_t window,
+                at::Tensor& out) {
   const int64_t T = q.size(0), Hq = q.size(1), D = q.size(2), Hkv = k.size(1);
   const int64_t G = Hq / Hkv;
   const int64_t L = cells.size(1);
@@ -230,10 +232,11 @@ void attend_all(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, c
   const int64_t* cp = cells.data_ptr<int64_t>();
   const int64_t* seq = row_seq.data_ptr<int64_t>();
   const int64_t* pos = row_pos.data_ptr<int64_t>();
+  const auto first_of = [&](int64_t t) { return window > 0 && pos[t] >= window ? pos[t] - window + 1 : 0; };
   int64_t keys = 0;
   for (int64_t t = 0; t < T; ++t) {
     TORCH_CHECK(pos[t] >= 0 && pos[t] < L, "row ", t, " reads ", pos[t] + 1, " keys of ", L, " cells");
-    keys += pos[t] + 1;
+    keys += pos[t] + 1 - first_of(t);
   }
   // threads pay only for large steps (prompt reading, many lanes); a decode row stays on one
   const int64_t grain = keys * Hq * D < (1 << 18) ? T * Hkv + 1 : 1;
@@ -241,12 +244,13 @@ void attend_all(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, c
     std::vector<float> work;
     for (int64_t item = begin; item < end; ++item) {
       const int64_t t = item / Hkv, h = item % Hkv;
-      const int64_t n = pos[t] + 1;
+      const int64_t first = first_of(t);
+      const int64_t n = pos[t] + 1 - first;
       const size_t need = static_cast<size_t>(2 * G * D + D + G * n);
       if (work.size() < need) work.resize(need);
       const Q* qr = qp + (t * Hq + h * G) * D;
       Q* orow = op + (t * Hq + h * G) * D;
-      const int64_t* c = cp + seq[t] * L;
+      const int64_t* c = cp + seq[t] * L + first;
 #if defined(__AVX512F__)
       if (D == 64 && G <= 8) {
         attend_row_fixed<4, Q, KV>(qr, kp + h * D, vp + h * D, Hkv * D, c, n, G, scale, orow, work.data());
@@ -264,11 +268,13 @@ void attend_all(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, c
 
 template <typename Q>
 void dispatch_kv(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& cells,
-                 const at::Tensor& row_seq, const at::Tensor& row_pos, float scale, at::Tensor& out) {
+                 const at::Tensor& row_seq, const at::Tensor& row_pos, float scale, int64_t window,
+                 at::Tensor& out) {
   switch (k.scalar_type()) {
-    case at::kBFloat16: return attend_all<Q, c10::BFloat16>(q, k, v, cells, row_seq, row_pos, scale, out);
-    case at::kHalf: return attend_all<Q, c10::Half>(q, k, v, cells, row_seq, row_pos, scale, out);
-    case at::kFloat: return attend_all<Q, float>(q, k, v, cells, row_seq, row_pos, scale, out);
+    case at::kBFloat16:
+      return attend_all<Q, c10::BFloat16>(q, k, v, cells, row_seq, row_pos, scale, window, out);
+    case at::kHalf: return attend_all<Q, c10::Half>(q, k, v, cells, row_seq, row_pos, scale, window, out);
+    case at::kFloat: return attend_all<Q, float>(q, k, v, cells, row_seq, row_pos, scale, window, out);
     default: TORCH_CHECK(false, "K/V dtype ", k.scalar_type(), " is not bf16, fp16 or fp32");
   }
 }
@@ -276,9 +282,10 @@ void dispatch_kv(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, 
 }  // namespace
 
 // q [T, Hq, D]; k, v [N, Hkv, D] (the pool's cells); cells [S, L] int64: the cell of each position
-// of each sequence; row_seq, row_pos [T] int64: row t attends to cells[row_seq[t], 0..row_pos[t]].
+// of each sequence; row_seq, row_pos [T] int64: row t attends to cells[row_seq[t], 0..row_pos[t]];
+// window > 0: only to the last `window` of them (positions > row_pos[t] - window).
 at::Tensor attend(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& cells,
-                  const at::Tensor& row_seq, const at::Tensor& row_pos, double scale) {
+                  const at::Tensor& row_seq, const at::Tensor& row_pos, double scale, int64_t window) {
   TORCH_CHECK(q.device().is_cpu() && k.device().is_cpu() && v.device().is_cpu(), "CPU tensors only");
   TORCH_CHECK(q.dim() == 3 && k.dim() == 3 && v.dim() == 3, "q, k, v must be [rows, heads, dim]");
   TORCH_CHECK(q.is_contiguous() && k.is_contiguous() && v.is_contiguous(), "q, k, v must be contiguous");
@@ -289,13 +296,14 @@ at::Tensor attend(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
               row_pos.scalar_type() == at::kLong, "cells, row_seq and row_pos must be int64");
   TORCH_CHECK(cells.dim() == 2 && cells.is_contiguous(), "cells must be a contiguous [sequences, positions]");
   TORCH_CHECK(row_seq.numel() == q.size(0) && row_pos.numel() == q.size(0), "one row_seq and row_pos per row");
+  TORCH_CHECK(window >= 0, "window must be 0 (none) or positive");
   at::Tensor out = at::empty_like(q);
   const float s = static_cast<float>(scale);
   auto rs = row_seq.contiguous(), rp = row_pos.contiguous();
   switch (q.scalar_type()) {
-    case at::kBFloat16: dispatch_kv<c10::BFloat16>(q, k, v, cells, rs, rp, s, out); break;
-    case at::kHalf: dispatch_kv<c10::Half>(q, k, v, cells, rs, rp, s, out); break;
-    case at::kFloat: dispatch_kv<float>(q, k, v, cells, rs, rp, s, out); break;
+    case at::kBFloat16: dispatch_kv<c10::BFloat16>(q, k, v, cells, rs, rp, s, window, out); break;
+    case at::kHalf: dispatch_kv<c10::Half>(q, k, v, cells, rs, rp, s, window, out); break;
+    case at::kFloat: dispatch_kv<float>(q, k, v, cells, rs, rp, s, window, out); break;
     default: TORCH_CHECK(false, "query dtype ", q.scalar_type(), " is not bf16, fp16 or fp32");
   }
   return out;

@@ -5,7 +5,7 @@
 #include <vector>
 
 at::Tensor attend(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& cells,
-                  const at::Tensor& row_seq, const at::Tensor& row_pos, double scale);
+                  const at::Tensor& row_seq, const at::Tensor& row_pos, double scale, int64_t window);
 at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps);
 std::tuple<at::Tensor, at::Tensor> add_rms_norm(const at::Tensor& h, const at::Tensor& a, const at::Tensor& weight,
                                                 double eps);
@@ -21,7 +21,9 @@ at::Tensor experts_blocks(const at::Tensor& x, const at::Tensor& ids, const at::
                           int64_t qup, int64_t qdown);
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("attend", &attend, "causal grouped-query attention over pool cells, row by row");
+  m.def("attend", &attend, "causal grouped-query attention over pool cells, row by row", py::arg("q"),
+        py::arg("k"), py::arg("v"), py::arg("cells"), py::arg("row_seq"), py::arg("row_pos"), py::arg("scale"),
+        py::arg("window") = 0);
   m.def("rms_norm", &rms_norm, "weight * rms_normalise(x)");
   m.def("add_rms_norm", &add_rms_norm, "(h + a, weight * rms_normalise(h + a))");
   m.def("rope_qkv", &rope_qkv, "q, k rotated and v, out of the fused projection");

@@ -1,0 +1,144 @@
+"""Gemma 3 (text): the shared attention inside Gemma's own layer, norms, MLP and embedding.
+
+What differs from the shared decoder (`layers.py`), each as Hugging Face's
+`modeling_gemma3.py` computes it:
+
+- RMSNorm scales by (1 + weight), all in float32, rounded once at the end;
+  four of them a layer (before and after attention, before and after the
+  MLP: "sandwich" norms) and one per head on q and k.
+- the MLP gates with GELU (tanh approximation) instead of SiLU.
+- embeddings are multiplied by sqrt(hidden_size) rounded to their dtype.
+- five of every six layers attend within a sliding window and rotate with
+  their own (local, unscaled) RoPE base; the others see everything and use
+  the global base and scaling. The window itself is the attention backend's
+  (`ctx.attend(..., window=W)`); both RoPE tables are stacked in the model's
+  one pair of tables, global first.
+- the attention scale comes from `query_pre_attn_scalar`, and the logits may
+  be soft-capped.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from strata.attention.base import AttentionContext
+from strata.models.architecture import Architecture
+from strata.models.base import ModelConfig
+from strata.models.dense import MLP
+from strata.models.layers import Attention, DecoderModel, RMSNorm
+from strata.models.rope import inverse_frequencies, rope_tables
+
+
+class GemmaRMSNorm(RMSNorm):
+    """x / rms(x) * (1 + weight) in float32, rounded to x's dtype once (Gemma's order, unlike
+    Llama's round-then-scale)."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        xf = x.float()
+        out = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        return (out * (1.0 + self.weight.float())).to(x.dtype)
+
+
+class GeluMLP(MLP):
+    """down(gelu_tanh(gate(x)) * up(x)), gate and up in one matmul."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up_proj.forward(x).chunk(2, dim=-1)
+        return self.down_proj.forward(F.gelu(gate, approximate="tanh") * up)
+
+
+class Gemma3Attention(Attention):
+    """The shared attention with Gemma's per-head q/k norms."""
+
+    def __init__(self, cfg: ModelConfig, layer_index: int) -> None:
+        super().__init__(cfg, layer_index)
+        self.q_norm = GemmaRMSNorm(cfg.head_dim, cfg.rms_norm_eps)
+        self.k_norm = GemmaRMSNorm(cfg.head_dim, cfg.rms_norm_eps)
+
+
+class Gemma3Layer(nn.Module):
+    """Sandwich-normed residual block: h + norm(attn(norm(h))), then the same around the MLP."""
+
+    def __init__(self, cfg: ModelConfig, layer_index: int) -> None:
+        super().__init__()
+        self.input_layernorm = GemmaRMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.self_attn = Gemma3Attention(cfg, layer_index)
+        self.post_attention_layernorm = GemmaRMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.pre_feedforward_layernorm = GemmaRMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.mlp = GeluMLP(cfg.hidden_size, cfg.intermediate_size)
+        self.post_feedforward_layernorm = GemmaRMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+    def forward(
+        self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, ctx: AttentionContext
+    ) -> torch.Tensor:
+        a = self.self_attn.forward(self.input_layernorm.forward(h), cos, sin, ctx)
+        h = h + self.post_attention_layernorm.forward(a)
+        m = self.mlp.forward(self.pre_feedforward_layernorm.forward(h))
+        return h + self.post_feedforward_layernorm.forward(m)
+
+
+class Gemma3Model(DecoderModel):
+    """The shared model's seams (`embed`, `run_layers`, `head`) with Gemma's differences."""
+
+    layer_class = Gemma3Layer
+    norm_class = GemmaRMSNorm
+
+    def rope_for(self, n: int, device: torch.device, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """(cos, sin) [n, 2, head_dim]: the global layers' tables, then the sliding layers'."""
+        cfg = self.config
+        local = dataclasses.replace(cfg, rope_theta=cfg.rope_local_theta or cfg.rope_theta,
+                                    rope_scaling=None, rope_freq_factors=None)
+        g_cos, g_sin = rope_tables(inverse_frequencies(cfg), n, dtype, device)
+        l_cos, l_sin = rope_tables(inverse_frequencies(local), n, dtype, device)
+        return torch.stack((g_cos, l_cos), dim=1), torch.stack((g_sin, l_sin), dim=1)
+
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        h = super().embed(input_ids)
+        # the scale rounded to the embedding's dtype first, as Hugging Face does (bf16: 55.43 -> 55.5)
+        return h * torch.tensor(self.config.hidden_size**0.5, dtype=h.dtype, device=h.device)
+
+    def run_layers(self, h: torch.Tensor, positions: torch.Tensor, ctx: AttentionContext,
+                   start: int = 0, end: int | None = None,
+                   rope: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+        cos_table, sin_table = (self.rope_cos, self.rope_sin) if rope is None else rope
+        cos = cos_table[positions]  # [T, 2, D]
+        sin = sin_table[positions]
+        tables = {False: (cos[:, :1], sin[:, :1]), True: (cos[:, 1:], sin[:, 1:])}  # by sliding
+        for layer in self.layers[start:end]:
+            c, s = tables[layer.self_attn.window is not None]
+            h = layer.forward(h, c, s, ctx)
+        return h
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        logits = super().compute_logits(hidden)
+        cap = self.config.final_logit_softcap
+        return logits if cap is None else torch.tanh(logits / cap) * cap
+
+
+def gguf_query_scalar(layers: int, hidden: int, heads: int, head_dim: int) -> float:
+    """llama.cpp's rule: Gemma 3 27B (62 layers) scales by hidden / heads, the others by head_dim."""
+    return hidden // heads if layers == 62 else head_dim
+
+
+ARCH = Architecture(
+    name="gemma3",
+    hf_model_types=("gemma3_text",),
+    qk_norm=True,
+    default_head_dim=256,
+    model_class=Gemma3Model,
+    activation="gelu_pytorch_tanh",
+    hf_tied=True,
+    gguf_layer_names=(
+        ("post_attention_layernorm.weight", "post_attention_norm.weight"),
+        ("pre_feedforward_layernorm.weight", "ffn_norm.weight"),
+        ("post_feedforward_layernorm.weight", "post_ffw_norm.weight"),
+    ),
+    gguf_norm_offset=1.0,
+    sliding_pattern=6,
+    local_rope_theta=10000.0,
+    gguf_query_scalar=gguf_query_scalar,
+)
