@@ -3,7 +3,7 @@
 - a pool on a CUDA device, Triton present, in a format the kernels read:
   the Triton kernels, over the pool in place (`triton_pool`) or over a
   streamed pool's device block cache (`triton_stream`);
-- everything else: the reference (`reference`), which on the CPU runs the
+- everything else, and a model with sliding-window layers: the reference (`reference`), which on the CPU runs the
   C++ kernel where it is built and plain torch elsewhere.
 
 Only in-place Triton steps are captured as CUDA graphs (`graphs_possible`):
@@ -26,9 +26,10 @@ except ImportError:  # pragma: no cover - depends on the installation
     HAVE_TRITON = False
 
 
-def backend_for(pool: KvPool) -> AttentionBackend:
-    """The attention backend that steps over `pool` use."""
-    if pool.device.type == "cuda" and HAVE_TRITON and supported(pool.fmt):
+def backend_for(pool: KvPool, windowed: bool = False) -> AttentionBackend:
+    """The attention backend that steps over `pool` use; `windowed` (a model with sliding-window
+    layers): the reference, which alone takes a window today (torch on a CUDA device)."""
+    if pool.device.type == "cuda" and HAVE_TRITON and supported(pool.fmt) and not windowed:
         return GpuTableAttention if pool.in_place else GpuStreamAttention
     return TableAttention
 

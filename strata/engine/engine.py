@@ -145,6 +145,9 @@ class Engine:
         self.pool: TablePool
         state_shapes = self.loaded.model.state_layers()
         self.states: StatePool | None = None  # a recurrent model's per-lane state (kv/state.py)
+        if mc.sliding_layers and (config.kv_resident is not None or split is not None):
+            raise BadRequest(f"{self.model_name} has sliding-window layers: --kv-resident and a layer "
+                             "split of it are not supported yet", "kv_resident")
         if state_shapes and split is not None:
             raise BadRequest(f"{self.model_name} has recurrent layers: a layer split of it is not "
                              "supported yet", "gpus")
@@ -161,7 +164,8 @@ class Engine:
             if state_shapes:
                 self.states = StatePool(state_shapes, config.parallel, self.device)
             self.runner = Runner(self.loaded.model, self.pool, mc.attn_scale, self.device,
-                                 graphs=graph_safe(self.loaded.model), states=self.states)
+                                 graphs=graph_safe(self.loaded.model), states=self.states,
+                                 windowed=bool(mc.sliding_layers))
             if self.device.type == "cpu":  # a step's time is its threads' work: the governor can judge
                 self.cpu_threads.govern()
         log.info("%s", self.cpu_threads.describe())

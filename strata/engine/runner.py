@@ -21,14 +21,15 @@ def graphs_factory() -> type | None:
 
 class Runner:
     def __init__(self, model: torch.nn.Module, pool: KvPool, scale: float, device: torch.device,
-                 graphs: bool = True, states: StatePool | None = None) -> None:
-        """states: a recurrent model's per-lane state (`kv/state.py`); its steps run eagerly."""
+                 graphs: bool = True, states: StatePool | None = None, windowed: bool = False) -> None:
+        """states: a recurrent model's per-lane state (`kv/state.py`); its steps run eagerly.
+        windowed: the model has sliding-window layers (`select.backend_for`)."""
         self.model = model
         self.states = states
         self.pool = pool
         self.scale = scale
         self.device = device
-        self.context = backend_for(pool)  # the attention backend of every step (attention/select.py)
+        self.context = backend_for(pool, windowed)  # the attention backend of every step (attention/select.py)
         self.graphs = None  # CUDA graphs of decode steps (prompt reading stays eager)
         if graphs and states is None and graphs_possible(self.context):
             from strata.engine.graphs import DecodeGraphs  # imports Triton
