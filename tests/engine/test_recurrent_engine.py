@@ -1,0 +1,111 @@
+"""A recurrent model (tiny Qwen3-Next) served by the engine: resumption through checkpoints.
+
+Every answer is compared with the same prompt read from token 0 by an engine
+that reuses nothing. A repeat resumes from the checkpoint one token before
+its prompt's end (the first read stopped there too), so it is the same
+arithmetic and must be identical; a later turn resumes from the lane's whole
+state, an edit from the checkpoint before it.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from strata.engine.config import EngineConfig
+from strata.engine.engine import Engine
+from strata.engine.types import SamplingParams
+from strata.errors import BadRequest
+from tests.models.tiny_models import save_byte_tokenizer, save_tiny
+
+GREEDY = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True)
+SYSTEM = [1, 40, 41, 42, 43, 44, 45, 46, 47, 48, 49, 50, 51, 52, 53]
+TURN1 = SYSTEM + [60, 61, 62, 63, 64]
+TURN1_EDITED = SYSTEM + [60, 61, 99, 63, 64]
+
+
+@pytest.fixture(scope="module")
+def folder(tmp_path_factory) -> str:
+    path = tmp_path_factory.mktemp("qwen3next")
+    save_tiny("qwen3_next", path)
+    save_byte_tokenizer(path)
+    return str(path)
+
+
+def _engine(folder: str, **flags) -> Engine:
+    return Engine(EngineConfig(model=folder, device="cpu", dtype="float32", weights="dense", parallel=1,
+                               max_context=128, prefill_chunk=8, **flags))
+
+
+@pytest.fixture(scope="module")
+def fresh(folder: str):
+    """Greedy tokens of a prompt read from token 0 (nothing reused)."""
+    eng = _engine(folder, prefix_reuse=False, ctx_checkpoints=0)
+    cache: dict[tuple[int, ...], list[int]] = {}
+
+    def answer(prompt: list[int]) -> list[int]:
+        key = tuple(prompt)
+        if key not in cache:
+            cache[key] = eng.complete(prompt, GREEDY).token_ids
+        return cache[key]
+
+    yield answer
+    eng.close()
+
+
+def test_turns_repeats_and_edits_resume_and_answer_as_from_zero(folder: str, fresh) -> None:
+    with _engine(folder) as eng:
+        first = eng.complete(TURN1, GREEDY)
+        assert first.token_ids == fresh(TURN1) and first.cached_tokens == 0
+        again = eng.complete(TURN1, GREEDY)  # a regenerate: from the checkpoint before the last token
+        assert again.token_ids == first.token_ids and again.cached_tokens == len(TURN1) - 1
+        turn2 = TURN1 + first.token_ids + [70, 71, 72]
+        second = eng.complete(turn2, GREEDY)  # the lane's whole state: only the new message is read
+        assert second.token_ids == fresh(turn2)
+        assert second.cached_tokens == len(TURN1) + len(first.token_ids) - 1
+        edited = TURN1_EDITED + [70]  # diverges inside the first user message: the checkpoint
+        # before it is every 4 tokens' (--prompt-cache-min-step is off here), so from 0
+        out = eng.complete(edited, GREEDY)
+        assert out.token_ids == fresh(edited) and out.cached_tokens == 0
+        stats = eng.stats()["checkpoints"]
+    assert stats["saves"] >= 3 and stats["restores"] == 1 and stats["bytes_per_checkpoint"] > 0
+
+
+def test_an_edit_resumes_from_the_latest_checkpoint_before_it(folder: str, fresh) -> None:
+    with _engine(folder, prompt_cache_min_step=4) as eng:
+        eng.complete(TURN1, GREEDY)
+        edited = TURN1_EDITED + [70]
+        out = eng.complete(edited, GREEDY)  # diverges at 17: the checkpoint at 16
+        assert out.cached_tokens == 16 and out.token_ids == fresh(edited)
+
+
+def test_a_cancelled_answer_then_its_repeat(folder: str, fresh) -> None:
+    with _engine(folder) as eng:
+        h = eng.generate(TURN1, SamplingParams(max_tokens=60, temperature=0.0, ignore_eos=True))
+        for ev in h:
+            if ev.token_ids:
+                h.cancel()
+        out = eng.complete(TURN1, GREEDY)
+        assert out.token_ids == fresh(TURN1) and out.cached_tokens == len(TURN1) - 1
+
+
+def test_a_damaged_checkpoint_changes_the_answer(folder: str, fresh) -> None:
+    """Negative control: the repeat really runs on the checkpoint's state."""
+    with _engine(folder) as eng:
+        eng.complete(TURN1, GREEDY)
+
+        def damage() -> None:
+            cp = eng.checkpoints.lanes[0][-1]  # type: ignore[union-attr]
+            layer = min(cp.state)
+            for t in cp.state[layer].values():
+                t.mul_(-3.0).add_(1.0)
+
+        eng.call(damage).result()
+        out = eng.complete(TURN1, GREEDY)
+        assert out.cached_tokens == len(TURN1) - 1 and out.token_ids != fresh(TURN1)
+
+
+def test_session_files_refuse_recurrent_state(folder: str, tmp_path) -> None:
+    with _engine(folder, session_dir=str(tmp_path)) as eng:
+        eng.complete(TURN1, GREEDY)
+        with pytest.raises(BadRequest, match="recurrent"):
+            eng.save_session(0, "a.bin")
