@@ -1,0 +1,141 @@
+"""Checkpoints of a recurrent model's state on a replayed chat workload, as JSON.
+
+Two chats of four turns share a system prompt; then the last answer of chat
+A is regenerated and its second user message edited. Every request is timed
+to its first token twice: with checkpoints (`--ctx-checkpoints`,
+`--prompt-cache-min-step`) and with nothing reused (every prompt from token
+0). The model is a Qwen3-Next-shaped one with random weights (transformers
+builds it; a byte tokenizer), so the figures are the engine's, not a
+checkpoint's.
+
+    python -m benchmarks.hybrid_replay [--system 2048] [--hidden 512] [--layers 8] [--device cpu]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from strata.engine.config import EngineConfig
+from strata.engine.engine import Engine
+from strata.engine.request import merge_events
+from strata.engine.types import SamplingParams
+from tests.models.tiny_models import save_byte_tokenizer
+
+ANSWER = 16
+
+
+def write_model(folder: Path, hidden: int, layers: int) -> None:
+    """A random Qwen3-Next of `layers` layers (every fourth full attention) in `folder`."""
+    from transformers import AutoModelForCausalLM, Qwen3NextConfig
+
+    cfg = Qwen3NextConfig(
+        vocab_size=256, hidden_size=hidden, num_hidden_layers=layers, num_attention_heads=hidden // 64,
+        num_key_value_heads=2, head_dim=64, intermediate_size=3 * hidden, linear_num_key_heads=hidden // 128,
+        linear_num_value_heads=hidden // 64, linear_key_head_dim=64, linear_value_head_dim=64,
+        linear_conv_kernel_dim=4, num_experts=16, num_experts_per_tok=4, moe_intermediate_size=hidden // 2,
+        shared_expert_intermediate_size=hidden, max_position_embeddings=32768,
+        layer_types=["full_attention" if (i + 1) % 4 == 0 else "linear_attention" for i in range(layers)])
+    torch.manual_seed(0)
+    AutoModelForCausalLM.from_config(cfg, dtype=torch.float32).save_pretrained(folder)
+    save_byte_tokenizer(folder)
+
+
+def workload(system: int, message: int) -> list[tuple[str, list[int] | None, str | None]]:
+    """(name, new user message, chat) in order; a message of None is a regenerate of the chat's
+    last prompt, the chat "A-edit" rewrites A's second message."""
+    g = torch.Generator().manual_seed(1)
+
+    def msg() -> list[int]:
+        return torch.randint(3, 255, (message,), generator=g).tolist()
+
+    steps: list[tuple[str, list[int] | None, str | None]] = []
+    for turn in range(4):
+        for chat in ("A", "B"):
+            steps.append((f"{chat}{turn + 1}", msg(), chat))
+    steps.append(("A-regenerate", None, "A"))
+    steps.append(("A-edit", msg(), "A-edit"))
+    return steps
+
+
+def replay(eng: Engine, system: list[int], steps: list[tuple[str, list[int] | None, str | None]],
+           ) -> list[dict[str, Any]]:
+    """Time every request of the workload to its first token; answers extend their chats."""
+    chats: dict[str, list[int]] = {"A": list(system), "B": list(system)}
+    last: dict[str, list[int]] = {}
+    first_turn_a: list[int] = []  # A's first message and answer: what the edit keeps
+    rows = []
+    params = SamplingParams(max_tokens=ANSWER, temperature=0.0, ignore_eos=True)
+    for name, message, chat in steps:
+        if message is None:  # the same prompt again
+            prompt = last[chat]  # type: ignore[index]
+        elif chat == "A-edit":  # A's second message replaced
+            prompt = list(system) + first_turn_a + message
+        else:
+            prompt = chats[chat] + message  # type: ignore[index]
+        started = time.perf_counter()
+        h = eng.generate(prompt, params)
+        ttft, events = None, []
+        for ev in h:
+            if ttft is None and ev.token_ids:
+                ttft = time.perf_counter() - started
+            events.append(ev)
+        done = merge_events(events)
+        if chat in chats and message is not None:
+            if chat == "A" and not first_turn_a:
+                first_turn_a = message + done.token_ids
+            chats[chat] = prompt + done.token_ids  # type: ignore[index]
+            last[chat] = prompt  # type: ignore[index]
+        rows.append({"request": name, "prompt_tokens": len(prompt), "cached_tokens": done.cached_tokens,
+                     "ttft_s": round(ttft or 0.0, 4), "answer": done.token_ids})
+    return rows
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--system", type=int, default=2048, help="system prompt tokens")
+    p.add_argument("--message", type=int, default=64, help="tokens per user message")
+    p.add_argument("--hidden", type=int, default=512)
+    p.add_argument("--layers", type=int, default=8)
+    p.add_argument("--device", default="cpu")
+    p.add_argument("--min-step", type=int, default=512, help="--prompt-cache-min-step of the run with checkpoints")
+    p.add_argument("--prefill-chunk", type=int, default=512)
+    args = p.parse_args(argv)
+    steps = workload(args.system, args.message)
+    system = torch.randint(3, 255, (args.system,), generator=torch.Generator().manual_seed(2)).tolist()
+    with tempfile.TemporaryDirectory() as tmp:
+        write_model(Path(tmp), args.hidden, args.layers)
+        runs = {}
+        for label, flags in (("from_zero", dict(prefix_reuse=False, ctx_checkpoints=0)),
+                             ("checkpoints", dict(prompt_cache_min_step=args.min_step))):
+            cfg = EngineConfig(model=tmp, device=args.device, dtype="float32", weights="dense", parallel=2,
+                               max_context=args.system + 8 * (args.message + ANSWER) + 64,
+                               prefill_chunk=args.prefill_chunk, **flags)
+            with Engine(cfg) as eng:
+                runs[label] = replay(eng, system, steps)
+                runs[label + "_checkpoints"] = eng.stats()["checkpoints"]
+    rows = []
+    for zero, cp in zip(runs["from_zero"], runs["checkpoints"]):
+        rows.append({"request": zero["request"], "prompt_tokens": zero["prompt_tokens"],
+                     "cached_tokens": cp["cached_tokens"], "ttft_from_zero_s": zero["ttft_s"],
+                     "ttft_checkpoints_s": cp["ttft_s"], "ratio": round(cp["ttft_s"] / zero["ttft_s"], 4),
+                     "same_answer": zero["answer"] == cp["answer"]})
+    later = [r["ratio"] for r in rows if r["request"] not in ("A1", "B1")]
+    out = {"device": args.device, "hidden": args.hidden, "layers": args.layers, "system_tokens": args.system,
+           "min_step": args.min_step, "requests": rows,
+           "first_read_ratio": rows[0]["ratio"], "later_turns_max_ratio": max(later),
+           "checkpoints": runs["checkpoints_checkpoints"]}
+    json.dump(out, sys.stdout, indent=1)
+    print()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,40 @@
+"""Hybrid models on CUDA: Gemma 3's sliding windows and Qwen3-Next's recurrent state give the
+CPU engine's greedy tokens, and a repeat resumes through a checkpoint on the device."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+if not torch.cuda.is_available():
+    pytest.skip("needs a CUDA device", allow_module_level=True)
+
+from strata.engine.config import EngineConfig
+from strata.engine.engine import Engine
+from strata.engine.types import SamplingParams
+from tests.models.tiny_models import PROMPT, save_byte_tokenizer, save_tiny
+
+GREEDY = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+PROMPTS = [PROMPT, PROMPT[::-1][:13], PROMPT[3:] + PROMPT]
+
+
+def _greedy(folder: str, device: str) -> tuple[list[list[int]], list[int], dict]:
+    cfg = EngineConfig(model=folder, device=device, dtype="float32", weights="dense", parallel=3,
+                       max_context=128, prefill_chunk=8)
+    with Engine(cfg) as eng:
+        handles = [eng.generate(p, GREEDY) for p in PROMPTS]
+        out = [h.result().token_ids for h in handles]
+        again = eng.complete(PROMPTS[0], GREEDY)
+        return out, again.token_ids, eng.stats()
+
+
+@pytest.mark.parametrize("kind", ["gemma3", "qwen3_next"])
+def test_cuda_answers_as_the_cpu(kind: str, tmp_path) -> None:
+    save_tiny(kind, tmp_path)
+    save_byte_tokenizer(tmp_path)
+    cpu, _, _ = _greedy(str(tmp_path), "cpu")
+    cuda, again, stats = _greedy(str(tmp_path), "cuda")
+    assert cuda == cpu
+    assert again == cuda[0]
+    if kind == "qwen3_next":
+        assert stats["checkpoints"]["restores"] >= 1
