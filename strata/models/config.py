@@ -71,7 +71,8 @@ def config_from_hf(path: str, d: dict[str, Any]) -> tuple[Architecture, ModelCon
     if d.get("use_sliding_window"):
         raise ModelLoadError(path, "sliding-window attention is not supported")
     params = d.get("rope_parameters") or {}
-    if float(params.get("partial_rotary_factor", d.get("partial_rotary_factor", 1.0))) != 1.0:
+    partial = float(params.get("partial_rotary_factor", d.get("partial_rotary_factor", 1.0)))
+    if partial != 1.0 and not arch.partial_rotary:
         raise ModelLoadError(path, "partial rotary embeddings are not supported")
     theta = float(params.get("rope_theta", d.get("rope_theta", 10000.0)))
     scaling = _check_rope(path, d.get("rope_scaling") or params or None)
@@ -83,6 +84,7 @@ def config_from_hf(path: str, d: dict[str, Any]) -> tuple[Architecture, ModelCon
         bias = bool(d.get("qkv_bias", False))  # qwen2_moe's spelling
     layers = int(need("num_hidden_layers"))
     ffn = int(need("intermediate_size"))
+    head_dim = int(d.get("head_dim") or arch.default_head_dim or hidden // heads)
     cfg = ModelConfig(
         arch=arch.name,
         vocab_size=int(need("vocab_size")),
@@ -91,7 +93,9 @@ def config_from_hf(path: str, d: dict[str, Any]) -> tuple[Architecture, ModelCon
         num_layers=layers,
         num_heads=heads,
         num_kv_heads=int(d.get("num_key_value_heads") or heads),
-        head_dim=int(d.get("head_dim") or arch.default_head_dim or hidden // heads),
+        head_dim=head_dim,
+        rotary_dim=int(head_dim * partial) if partial != 1.0 else 0,
+        attn_output_gate=arch.attn_output_gate,
         rms_norm_eps=float(d.get("rms_norm_eps", 1e-6)),
         rope_theta=theta,
         rope_scaling=scaling,
@@ -102,8 +106,31 @@ def config_from_hf(path: str, d: dict[str, Any]) -> tuple[Architecture, ModelCon
         bos_token_id=d.get("bos_token_id"),
         eos_token_ids=_eos_list(d.get("eos_token_id")),
         **_hf_experts(path, d, arch, ffn, layers),
+        **_hf_linear_attention(path, d, layers),
     )
     return arch, cfg
+
+
+def _hf_linear_attention(path: str, d: dict[str, Any], layers: int) -> dict[str, Any]:
+    """The gated DeltaNet fields of a config.json (qwen3_next's layer_types and linear_*); none
+    for a model of full-attention layers only."""
+    types = tuple(str(t) for t in d.get("layer_types") or ())
+    if "linear_attention" not in types:
+        return {}
+    if len(types) != layers or not set(types) <= {"linear_attention", "full_attention"}:
+        raise ModelLoadError(path, f"layer_types {list(types)} is not one of linear_attention or "
+                                   f"full_attention for each of {layers} layers")
+    dims = {k: int(d.get(k) or 0) for k in ("linear_num_key_heads", "linear_num_value_heads",
+                                            "linear_key_head_dim", "linear_value_head_dim",
+                                            "linear_conv_kernel_dim")}
+    if not all(dims.values()) or dims["linear_num_value_heads"] % dims["linear_num_key_heads"]:
+        raise ModelLoadError(path, f"linear-attention sizes {dims} are incomplete or the value heads "
+                                   f"are not a multiple of the key heads")
+    return dict(layer_types=types, linear_num_key_heads=dims["linear_num_key_heads"],
+                linear_num_value_heads=dims["linear_num_value_heads"],
+                linear_key_head_dim=dims["linear_key_head_dim"],
+                linear_value_head_dim=dims["linear_value_head_dim"],
+                linear_conv_kernel=dims["linear_conv_kernel_dim"])
 
 
 def _hf_experts(path: str, d: dict[str, Any], arch: Architecture, ffn: int, layers: int) -> dict[str, Any]:

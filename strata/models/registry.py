@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from strata.models import llama, mixtral, qwen2, qwen2_moe, qwen3, qwen3_moe
+from strata.models import llama, mixtral, qwen2, qwen2_moe, qwen3, qwen3_moe, qwen3_next
 from strata.models.architecture import Architecture
 
 ARCHITECTURES: dict[str, Architecture] = {
@@ -14,6 +14,7 @@ ARCHITECTURES: dict[str, Architecture] = {
         mixtral.ARCH,
         qwen2_moe.ARCH,
         qwen3_moe.ARCH,
+        qwen3_next.ARCH,
     )
 }
 
