@@ -28,6 +28,8 @@ class Architecture:
     # an HF checkpoint's names of a sparse layer: the MLP's module, then each expert's gate, up
     # and down matrices (Qwen: mlp.experts.{e}.gate_proj; Mixtral: block_sparse_moe.experts.{e}.w1)
     hf_experts: tuple[str, str, str, str] = ("mlp", "gate_proj", "up_proj", "down_proj")
+    partial_rotary: bool = False  # its attention honours a partial rotary factor (rotary_dim < head_dim)
+    attn_output_gate: bool = False  # q_proj's rows interleave each head's query and output gate
     model_class: type[DecoderModel] = DecoderModel
     activation: str = "silu"  # the MLP's gate activation, as config.json names it
     hf_tied: bool = False  # tie_word_embeddings where config.json omits it (transformers' default)

@@ -34,6 +34,8 @@ class ModelConfig:
     tie_word_embeddings: bool = False
     attention_bias: bool = False  # bias on q/k/v projections (qwen2)
     qk_norm: bool = False  # per-head RMSNorm on q and k (qwen3)
+    rotary_dim: int = 0  # leading dimensions of a head that RoPE rotates; 0: all (head_dim)
+    attn_output_gate: bool = False  # q_proj also gives a per-head sigmoid gate on the output (qwen3next)
     bos_token_id: int | None = None
     eos_token_ids: list[int] = field(default_factory=list)
     # Mixture of experts (`moe.py`); num_experts 0: every layer's MLP is dense.
@@ -50,6 +52,23 @@ class ModelConfig:
     rope_local_theta: float | None = None  # the sliding layers' RoPE base (never scaled); None: rope_theta
     query_pre_attn_scalar: float | None = None  # attention scale = its -1/2 power; None: head_dim's
     final_logit_softcap: float | None = None  # logits -> cap * tanh(logits / cap)
+
+    # Linear-attention layers (gated DeltaNet, `deltanet.py`); layer_types empty: all full attention.
+    layer_types: tuple[str, ...] = ()  # per layer: "full_attention" or "linear_attention"
+    linear_num_key_heads: int = 0
+    linear_num_value_heads: int = 0
+    linear_key_head_dim: int = 0
+    linear_value_head_dim: int = 0
+    linear_conv_kernel: int = 0
+
+    def linear(self, layer: int) -> bool:
+        """Whether `layer` is a linear-attention (recurrent) layer."""
+        return bool(self.layer_types) and self.layer_types[layer] == "linear_attention"
+
+    @property
+    def rope_dim(self) -> int:
+        """The rotated dimensions of a head."""
+        return self.rotary_dim or self.head_dim
 
     def sparse(self, layer: int) -> bool:
         """Whether `layer`'s MLP is a mixture of experts."""

@@ -82,7 +82,8 @@ def config_from_hf(path: str, d: dict[str, Any]) -> tuple[Architecture, ModelCon
         params = params.get("full_attention") or {}
     if rope_type(local) != "default":
         raise ModelLoadError(path, f"rope scaling {rope_type(local)!r} on sliding layers is not supported")
-    if float(params.get("partial_rotary_factor", d.get("partial_rotary_factor", 1.0))) != 1.0:
+    partial = float(params.get("partial_rotary_factor", d.get("partial_rotary_factor", 1.0)))
+    if partial != 1.0 and not arch.partial_rotary:
         raise ModelLoadError(path, "partial rotary embeddings are not supported")
     theta = float(params.get("rope_theta", d.get("rope_theta", 10000.0)))
     scaling = _check_rope(path, d.get("rope_scaling") or params or None)
@@ -96,6 +97,7 @@ def config_from_hf(path: str, d: dict[str, Any]) -> tuple[Architecture, ModelCon
     ffn = int(need("intermediate_size"))
     scalar = d.get("query_pre_attn_scalar")
     cap = d.get("final_logit_softcapping")
+    head_dim = int(d.get("head_dim") or arch.default_head_dim or hidden // heads)
     cfg = ModelConfig(
         arch=arch.name,
         vocab_size=int(need("vocab_size")),
@@ -104,7 +106,9 @@ def config_from_hf(path: str, d: dict[str, Any]) -> tuple[Architecture, ModelCon
         num_layers=layers,
         num_heads=heads,
         num_kv_heads=int(d.get("num_key_value_heads") or heads),
-        head_dim=int(d.get("head_dim") or arch.default_head_dim or hidden // heads),
+        head_dim=head_dim,
+        rotary_dim=int(head_dim * partial) if partial != 1.0 else 0,
+        attn_output_gate=arch.attn_output_gate,
         rms_norm_eps=float(d.get("rms_norm_eps", 1e-6)),
         rope_theta=theta,
         rope_scaling=scaling,
@@ -118,6 +122,7 @@ def config_from_hf(path: str, d: dict[str, Any]) -> tuple[Architecture, ModelCon
         final_logit_softcap=None if cap is None else float(cap),
         **_hf_sliding(path, d, arch, layers, local),
         **_hf_experts(path, d, arch, ffn, layers),
+        **_hf_linear_attention(path, d, layers),
     )
     return arch, cfg
 
@@ -164,6 +169,28 @@ def _gguf_sliding(path: str, a: str, get: Any, arch: Architecture, layers: int) 
     theta = get("rope.freq_base_swa", arch.local_rope_theta)
     return dict(sliding_window=int(window), sliding_layers=sliding,
                 rope_local_theta=None if theta is None else float(theta))
+
+
+def _hf_linear_attention(path: str, d: dict[str, Any], layers: int) -> dict[str, Any]:
+    """The gated DeltaNet fields of a config.json (qwen3_next's layer_types and linear_*); none
+    for a model of full-attention layers only."""
+    types = tuple(str(t) for t in d.get("layer_types") or ())
+    if "linear_attention" not in types:
+        return {}
+    if len(types) != layers or not set(types) <= {"linear_attention", "full_attention"}:
+        raise ModelLoadError(path, f"layer_types {list(types)} is not one of linear_attention or "
+                                   f"full_attention for each of {layers} layers")
+    dims = {k: int(d.get(k) or 0) for k in ("linear_num_key_heads", "linear_num_value_heads",
+                                            "linear_key_head_dim", "linear_value_head_dim",
+                                            "linear_conv_kernel_dim")}
+    if not all(dims.values()) or dims["linear_num_value_heads"] % dims["linear_num_key_heads"]:
+        raise ModelLoadError(path, f"linear-attention sizes {dims} are incomplete or the value heads "
+                                   f"are not a multiple of the key heads")
+    return dict(layer_types=types, linear_num_key_heads=dims["linear_num_key_heads"],
+                linear_num_value_heads=dims["linear_num_value_heads"],
+                linear_key_head_dim=dims["linear_key_head_dim"],
+                linear_value_head_dim=dims["linear_value_head_dim"],
+                linear_conv_kernel=dims["linear_conv_kernel_dim"])
 
 
 def _hf_experts(path: str, d: dict[str, Any], arch: Architecture, ffn: int, layers: int) -> dict[str, Any]:

@@ -26,6 +26,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from strata.attention.base import AttentionContext
+from strata.kv.state import StateContext
 from strata.models.architecture import Architecture
 from strata.models.base import ModelConfig
 from strata.models.dense import MLP
@@ -103,7 +104,10 @@ class Gemma3Model(DecoderModel):
 
     def run_layers(self, h: torch.Tensor, positions: torch.Tensor, ctx: AttentionContext,
                    start: int = 0, end: int | None = None,
-                   rope: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+                   rope: tuple[torch.Tensor, torch.Tensor] | None = None,
+                   states: StateContext | None = None) -> torch.Tensor:
+        """The shared decoder's `run_layers`, each layer rotating with its own table; `states` is
+        unused (no recurrent layers)."""
         cos_table, sin_table = (self.rope_cos, self.rope_sin) if rope is None else rope
         cos = cos_table[positions]  # [T, 2, D]
         sin = sin_table[positions]

@@ -17,7 +17,7 @@ import torch
 from torch import nn
 
 from strata.attention.base import AttentionContext
-from strata.kv.state import StateShapes
+from strata.kv.state import StateContext, StateShapes
 from strata.models import ops
 from strata.models.base import ModelConfig
 from strata.models.blocks import BlockLinear
@@ -116,8 +116,11 @@ class DecoderLayer(nn.Module):
             self.mlp = MLP(cfg.hidden_size, cfg.intermediate_size)
 
     def forward(
-        self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, ctx: AttentionContext
+        self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, ctx: AttentionContext,
+        states: StateContext | None = None,
     ) -> torch.Tensor:
+        """states: the step's recurrent state, which attention layers do not read (the stack
+        hands every layer the same arguments)."""
         if h.is_cuda and h.shape[0] == 1 and isinstance(self.mlp, MLP):  # one CUDA row: the products
             attn, mlp = self.self_attn, self.mlp  # carry the small ops
             lins = (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)
@@ -176,7 +179,7 @@ class DecoderModel(nn.Module):
         super().__init__()
         self.config = cfg
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
-        self.layers = nn.ModuleList(self.layer_class(cfg, i) for i in range(cfg.num_layers))
+        self.layers = nn.ModuleList(self.make_layer(cfg, i) for i in range(cfg.num_layers))
         self.norm = self.norm_class(cfg.hidden_size, cfg.rms_norm_eps)
         self.lm_head = (
             None
@@ -188,8 +191,13 @@ class DecoderModel(nn.Module):
         self.register_buffer("rope_cos", torch.empty(0), persistent=False)
         self.register_buffer("rope_sin", torch.empty(0), persistent=False)
 
+    def make_layer(self, cfg: ModelConfig, layer_index: int) -> nn.Module:
+        """Layer `layer_index` of the stack: an architecture with other layers overrides this."""
+        return self.layer_class(cfg, layer_index)
+
     def state_layers(self) -> dict[int, StateShapes]:
-        """Layers that carry recurrent state, and its shapes (`kv/state.py`); none here."""
+        """The layers that carry recurrent state between steps, with their per-lane state shapes
+        (`kv/state.py`); none here: every layer keeps K/V."""
         return {}
 
     @property
@@ -215,16 +223,19 @@ class DecoderModel(nn.Module):
 
     def run_layers(self, h: torch.Tensor, positions: torch.Tensor, ctx: AttentionContext,
                    start: int = 0, end: int | None = None,
-                   rope: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+                   rope: tuple[torch.Tensor, torch.Tensor] | None = None,
+                   states: StateContext | None = None) -> torch.Tensor:
         """Layers [start, end) over hidden h [T, hidden_size] at `positions` [T] (long).
 
         rope: the (cos, sin) tables on h's device (`rope_for`); None: the model's own.
+        states: the step's recurrent state (its sequences' row spans), which the layers in
+        `state_layers` need; None for a model without such layers.
         """
         cos_table, sin_table = (self.rope_cos, self.rope_sin) if rope is None else rope
         cos = cos_table[positions].unsqueeze(1)
         sin = sin_table[positions].unsqueeze(1)
         for layer in self.layers[start:end]:
-            h = layer.forward(h, cos, sin, ctx)
+            h = layer.forward(h, cos, sin, ctx, states)
         return h
 
     def head(self, h: torch.Tensor) -> torch.Tensor:
@@ -233,10 +244,11 @@ class DecoderModel(nn.Module):
         return self.compute_logits(self.norm.forward(h))
 
     def forward(
-        self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: AttentionContext
+        self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: AttentionContext,
+        states: StateContext | None = None,
     ) -> torch.Tensor:
         """input_ids, positions: [T] long -> hidden [T, hidden_size] after the final norm."""
-        return self.norm.forward(self.run_layers(self.embed(input_ids), positions, ctx))
+        return self.norm.forward(self.run_layers(self.embed(input_ids), positions, ctx, states=states))
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden [N, hidden_size] -> float32 logits [N, vocab]."""

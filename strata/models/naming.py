@@ -48,6 +48,9 @@ _HF_LAYER = {
     "mlp.shared.gate_up_proj.weight": ["mlp.shared_expert.gate_proj.weight", "mlp.shared_expert.up_proj.weight"],
     "mlp.shared.down_proj.weight": ["mlp.shared_expert.down_proj.weight"],
     "mlp.shared_gate.weight": ["mlp.shared_expert_gate.weight"],
+    **{f"linear_attn.{n}": [f"linear_attn.{n}"] for n in (
+        "in_proj_qkvz.weight", "in_proj_ba.weight", "conv1d.weight", "dt_bias", "A_log", "norm.weight",
+        "out_proj.weight")},
 }
 # a sparse layer's experts: one stored matrix per expert, stacked (`Part.reshape`); the names
 # come from `Architecture.hf_experts`
@@ -83,7 +86,8 @@ def _rows(cfg: ModelConfig, rest: str, rows: int, n: int) -> list[int]:
     """Row counts of the n parts of a parameter with `rows` rows."""
     if rest.startswith("self_attn.qkv_proj"):
         kv = cfg.num_kv_heads * cfg.head_dim
-        return [cfg.num_heads * cfg.head_dim, kv, kv]
+        q = cfg.num_heads * cfg.head_dim
+        return [2 * q if cfg.attn_output_gate else q, kv, kv]  # the output gate's rows ride with q
     return [rows // n] * n
 
 

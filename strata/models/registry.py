@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from strata.models import gemma3, llama, mixtral, qwen2, qwen2_moe, qwen3, qwen3_moe
+from strata.models import gemma3, llama, mixtral, qwen2, qwen2_moe, qwen3, qwen3_moe, qwen3_next
 from strata.models.architecture import Architecture
 
 ARCHITECTURES: dict[str, Architecture] = {
@@ -15,6 +15,7 @@ ARCHITECTURES: dict[str, Architecture] = {
         qwen2_moe.ARCH,
         qwen3_moe.ARCH,
         gemma3.ARCH,
+        qwen3_next.ARCH,
     )
 }
 

@@ -27,8 +27,8 @@ def rope_type(scaling: dict[str, Any] | None) -> str:
 
 
 def inverse_frequencies(cfg: ModelConfig) -> torch.Tensor:
-    """float32 [head_dim / 2]: the rotation speed of each pair of dimensions."""
-    d = cfg.head_dim
+    """float32 [rope_dim / 2]: the rotation speed of each pair of rotated dimensions."""
+    d = cfg.rope_dim
     inv = 1.0 / (cfg.rope_theta ** (torch.arange(0, d, 2, dtype=torch.int64).float() / d))
     if cfg.rope_freq_factors is not None:
         inv = inv / torch.tensor(cfg.rope_freq_factors, dtype=torch.float32)
@@ -60,7 +60,7 @@ def _llama3(inv: torch.Tensor, s: dict[str, Any], max_positions: int) -> torch.T
 def rope_tables(
     inv_freq: torch.Tensor, n_positions: int, dtype: torch.dtype, device: torch.device
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos and signed sin, each [n_positions, head_dim] in `dtype`.
+    """cos and signed sin, each [n_positions, rope_dim] in `dtype`.
 
     The sin table's first half is negated so that `apply_rope` needs a roll
     instead of a negate-and-concatenate.
@@ -78,3 +78,12 @@ def rope_tables(
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """x [T, H, D] rotated; cos/sin [T, 1, D] rows of `rope_tables`."""
     return x * cos + torch.roll(x, x.shape[-1] // 2, dims=-1) * sin
+
+
+def apply_partial_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x [T, H, D] with only its first cos.shape[-1] dimensions rotated (a partial rotary factor),
+    the rest passed through."""
+    r = cos.shape[-1]
+    if r == x.shape[-1]:
+        return apply_rope(x, cos, sin)
+    return torch.cat((apply_rope(x[..., :r], cos, sin), x[..., r:]), dim=-1)

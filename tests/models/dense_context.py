@@ -1,8 +1,9 @@
-"""A test-only AttentionContext: one sequence, all K/V kept in per-layer lists.
+"""A test-only AttentionContext and StateContext: one sequence, K/V and recurrent state in lists.
 
-It stands in for the pool-based context so model code can be checked against
-transformers without the KV pool. Attention is plain causal SDPA (within the window of a
-sliding layer) with the KV heads repeated for grouped-query attention.
+They stand in for the pool-based contexts so model code can be checked
+against transformers without the KV pool or the state pool. Attention is
+plain causal SDPA (within the window of a sliding layer) with the KV heads
+repeated for grouped-query attention.
 """
 
 from __future__ import annotations
@@ -10,6 +11,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from strata.kv.state import StateShapes
 from strata.models.base import ModelConfig
 
 
@@ -49,26 +51,64 @@ class DenseContext:
         return out.transpose(0, 1)
 
 
+class DenseStates:
+    """Recurrent state of the sequences of a step, kept per sequence: sequence i of the step is
+    `seqs[i]`, whose state starts as zeros."""
+
+    def __init__(self, shapes: dict[int, StateShapes], device: torch.device | str = "cpu") -> None:
+        self.shapes = shapes
+        self.device = device
+        self.state: dict[str, dict[int, dict[str, torch.Tensor]]] = {}
+        self.seqs: list[str] = ["0"]
+        self.spans: list[tuple[int, int]] = []
+
+    def step(self, spans: list[tuple[int, int]], seqs: list[str] | None = None) -> None:
+        """The next step's row spans and which sequence each is (default: the first)."""
+        self.spans = spans
+        self.seqs = seqs or ["0"] * len(spans)
+
+    def zero(self, seq: str, layer: int) -> None:
+        self.state.get(seq, {}).pop(layer, None)
+
+    def load(self, layer: int) -> dict[str, torch.Tensor]:
+        rows = [self.state.get(s, {}).get(layer) for s in self.seqs]
+        return {name: torch.stack([torch.zeros(shape, device=self.device) if r is None else r[name]
+                                   for r in rows])
+                for name, shape in self.shapes[layer].items()}
+
+    def save(self, layer: int, state: dict[str, torch.Tensor]) -> None:
+        for i, s in enumerate(self.seqs):
+            self.state.setdefault(s, {})[layer] = {n: t[i].clone() for n, t in state.items()}
+
+
+@torch.inference_mode()
+def run(model, ids: list[int], start: int, ctx, states: DenseStates) -> torch.Tensor:
+    """One step of one sequence: ids at positions start.. -> hidden [len(ids), hidden]."""
+    dev = model.norm.weight.device
+    states.step([(0, len(ids))])
+    pos = torch.arange(start, start + len(ids), device=dev)
+    return model(torch.tensor(ids, dtype=torch.long, device=dev), pos, ctx, states)
+
+
 @torch.inference_mode()
 def prompt_logits(loaded, ids: list[int]) -> torch.Tensor:
     """Logits [T, vocab] for every position of one prompt."""
     ctx = DenseContext(loaded.config)
-    dev = loaded.device
-    ids_t = torch.tensor(ids, dtype=torch.long, device=dev)
-    hidden = loaded.model(ids_t, torch.arange(len(ids), device=dev), ctx)
-    return loaded.model.compute_logits(hidden)
+    states = DenseStates(loaded.model.state_layers(), loaded.device)
+    return loaded.model.compute_logits(run(loaded.model, ids, 0, ctx, states))
 
 
 @torch.inference_mode()
 def greedy(loaded, ids: list[int], n: int) -> list[int]:
     """n greedy tokens after a prompt: one prefill, then one token per step."""
-    model, dev = loaded.model, loaded.device
+    model = loaded.model
     ctx = DenseContext(loaded.config)
-    hidden = model(torch.tensor(ids, device=dev), torch.arange(len(ids), device=dev), ctx)
+    states = DenseStates(model.state_layers(), loaded.device)
+    hidden = run(model, ids, 0, ctx, states)
     out = [int(model.compute_logits(hidden[-1:]).argmax(-1))]
     pos = len(ids)
     while len(out) < n:
-        hidden = model(torch.tensor([out[-1]], device=dev), torch.tensor([pos], device=dev), ctx)
+        hidden = run(model, [out[-1]], pos, ctx, states)
         out.append(int(model.compute_logits(hidden).argmax(-1)))
         pos += 1
     return out

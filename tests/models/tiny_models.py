@@ -21,6 +21,7 @@ from transformers import (
     Qwen2MoeConfig,
     Qwen3Config,
     Qwen3MoeConfig,
+    Qwen3NextConfig,
 )
 
 COMMON: dict[str, Any] = dict(
@@ -50,6 +51,11 @@ GEMMA3_ROPE = {
     "sliding_attention": {"rope_type": "default", "rope_theta": 100.0},
     "full_attention": {"rope_type": "linear", "rope_theta": 10000.0, "factor": 2.0},
 }
+QWEN3_NEXT: dict[str, Any] = dict(
+    **{**COMMON, "num_hidden_layers": 4}, head_dim=16, linear_conv_kernel_dim=4, linear_key_head_dim=8,
+    linear_value_head_dim=12, linear_num_key_heads=2, linear_num_value_heads=4,
+    layer_types=["linear_attention"] * 3 + ["full_attention"],
+)
 
 CONFIGS = {
     "llama": lambda: LlamaConfig(**COMMON, rope_parameters=LLAMA3_ROPE),
@@ -72,6 +78,11 @@ CONFIGS = {
     "mixtral": lambda: MixtralConfig(**{**COMMON, "intermediate_size": 64}, num_local_experts=4,
                                      num_experts_per_tok=2, rope_parameters={"rope_type": "default",
                                                                              "rope_theta": 10000.0}),
+    # 3 DeltaNet layers then gated attention (head 16, a quarter rotated); value heads twice the
+    # key heads; 4 experts, 2 a token, a gated shared expert in every layer
+    "qwen3_next": lambda: Qwen3NextConfig(**QWEN3_NEXT, num_experts=4, num_experts_per_tok=2,
+                                          moe_intermediate_size=32, shared_expert_intermediate_size=48),
+    "qwen3_next_dense": lambda: Qwen3NextConfig(**QWEN3_NEXT, num_experts=0),
     # transformers' GGUF loader ignores qwen3's key_length and assumes 128
     "qwen3_hd128": lambda: Qwen3Config(**COMMON, head_dim=128),
     # 5 sliding layers (window 8, so PROMPT crosses it) and 1 global; local and global RoPE bases

@@ -1,0 +1,230 @@
+"""Gated DeltaNet: the linear-attention layers of Qwen3-Next, and the math they run.
+
+Each head keeps a matrix state S [Dk, Dv] instead of K/V cells. Per token
+the state decays by exp(g), the value it predicts for the token's key is
+corrected towards the token's value with strength beta (the delta rule),
+and the output reads the state with the query:
+
+    S <- exp(g) S;  S <- S + k (beta (v - S^T k))^T;  o = S^T q
+
+The recurrent form runs that loop token by token (a decode step: one
+token per sequence, many sequences at once). The chunked form computes
+the same thing for a prompt in blocks of 64 tokens: inside a block the
+corrections are one triangular solve (the WY form), between blocks only
+the state travels, so a long prompt costs matrix products instead of a
+Python loop per token. Both keep the state in float32.
+
+Ahead of the delta rule sits a causal depthwise convolution of kernel K
+over q, k and v; its state is the last K-1 inputs, so a sequence read in
+pieces convolves exactly as if read at once.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from strata.kv.state import StateContext, StateShapes
+from strata.models.base import ModelConfig
+from strata.models.dense import Linear
+
+CHUNK = 64
+
+
+def l2_normalize(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
+    """x / |x| over the last dimension (eps inside the root, as the reference kernels have it)."""
+    return x * torch.rsqrt((x * x).sum(dim=-1, keepdim=True) + eps)
+
+
+def causal_conv1d(x: torch.Tensor, weight: torch.Tensor, tail: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Depthwise causal convolution with SiLU, continuing from the inputs before x.
+
+    x [B, T, C]; weight [C, K]; tail [B, C, K-1]: the K-1 inputs before x (zeros at the start).
+    Returns (silu(conv) [B, T, C] in x's dtype, the new tail [B, C, K-1] in float32).
+    """
+    b, t, c = x.shape
+    k = weight.shape[-1]
+    full = torch.cat((tail.to(x.dtype), x.transpose(1, 2)), dim=-1)  # [B, C, K-1+T]
+    out = F.conv1d(full, weight.unsqueeze(1).to(x.dtype), groups=c)  # [B, C, T]
+    return F.silu(out).transpose(1, 2), full[..., full.shape[-1] - (k - 1):].float()
+
+
+def _prepare(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
+             state: torch.Tensor | None) -> tuple[torch.Tensor, ...]:
+    """Heads first in float32, k heads repeated to the v heads, q and k unit length, q scaled."""
+    hv = v.shape[2]
+    rep = hv // k.shape[2]
+    if rep > 1:  # v head j reads k head j // rep
+        q = q.repeat_interleave(rep, dim=2)
+        k = k.repeat_interleave(rep, dim=2)
+    q, k, v = (x.transpose(1, 2).float() for x in (q, k, v))  # [B, H, T, D]
+    q = l2_normalize(q) * q.shape[-1] ** -0.5
+    k = l2_normalize(k)
+    g, beta = (x.transpose(1, 2).float() for x in (g, beta))  # [B, H, T]
+    if state is None:
+        state = torch.zeros(v.shape[0], hv, k.shape[-1], v.shape[-1], dtype=torch.float32, device=v.device)
+    return q, k, v, g, beta, state.float()
+
+
+def recurrent_gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
+                               beta: torch.Tensor, state: torch.Tensor | None = None
+                               ) -> tuple[torch.Tensor, torch.Tensor]:
+    """The delta rule token by token (decode).
+
+    q, k [B, T, Hk, Dk]; v [B, T, Hv, Dv]; g (log decay, <= 0), beta [B, T, Hv];
+    state [B, Hv, Dk, Dv] or None (zeros). Returns (out [B, T, Hv, Dv] in v's dtype, final
+    state [B, Hv, Dk, Dv] float32).
+    """
+    dtype = v.dtype
+    q, k, v, g, beta, s = _prepare(q, k, v, g, beta, state)
+    outs = []
+    for i in range(v.shape[2]):
+        s = s * g[:, :, i, None, None].exp()
+        predicted = torch.einsum("bhkv,bhk->bhv", s, k[:, :, i])
+        delta = (v[:, :, i] - predicted) * beta[:, :, i, None]
+        s = s + k[:, :, i, :, None] * delta[:, :, None, :]
+        outs.append(torch.einsum("bhkv,bhk->bhv", s, q[:, :, i]))
+    return torch.stack(outs, dim=1).to(dtype), s
+
+
+def chunk_gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
+                           beta: torch.Tensor, state: torch.Tensor | None = None, chunk: int = CHUNK
+                           ) -> tuple[torch.Tensor, torch.Tensor]:
+    """The delta rule in blocks of `chunk` tokens (prompt reading); arguments and results as
+    `recurrent_gated_delta_rule`.
+
+    Inside a block, with G the cumulative log decay from the block's start and S0 the state
+    before it, the corrections u solve (I + A) u = beta v - beta exp(G) k S0 with
+    A[i, j] = beta_i exp(G_i - G_j) k_i.k_j for j < i; then
+    out_i = exp(G_i) q_i S0 + sum_{j<=i} exp(G_i - G_j) (q_i.k_j) u_j and the block leaves
+    S = exp(G_last) S0 + sum_j exp(G_last - G_j) k_j u_j^T.
+    """
+    dtype = v.dtype
+    q, k, v, g, beta, s = _prepare(q, k, v, g, beta, state)
+    b, h, t, dv = v.shape
+    pad = -t % chunk  # padded tokens: k = 0 and g = 0 leave the state alone
+    if pad:
+        q, k, v = (F.pad(x, (0, 0, 0, pad)) for x in (q, k, v))
+        g, beta = (F.pad(x, (0, pad)) for x in (g, beta))
+    n = (t + pad) // chunk
+    q, k, v = (x.reshape(b, h, n, chunk, -1) for x in (q, k, v))
+    g, beta = (x.reshape(b, h, n, chunk) for x in (g, beta))
+    cum = g.cumsum(dim=-1)  # [B, H, N, C]
+    causal = torch.ones(chunk, chunk, dtype=torch.bool, device=v.device).tril()
+    # exp(G_i - G_j) for j <= i, 0 above the diagonal (masked before exp: no overflow)
+    decay = (cum[..., :, None] - cum[..., None, :]).masked_fill(~causal, float("-inf")).exp()
+    kb = k * beta[..., None]
+    a = (kb @ k.transpose(-1, -2)) * decay  # the diagonal is ignored: the solve is unit-triangular
+    u_v = torch.linalg.solve_triangular(a, v * beta[..., None], upper=False, unitriangular=True)
+    u_s = torch.linalg.solve_triangular(a, kb * cum.exp()[..., None], upper=False, unitriangular=True)
+    inner = (q @ k.transpose(-1, -2)) * decay
+    q_decayed = q * cum.exp()[..., None]
+    k_to_end = k * (cum[..., -1:] - cum).exp()[..., None]
+    block_decay = cum[..., -1].exp()[..., None, None]  # [B, H, N, 1, 1]
+    out = torch.empty_like(v)
+    for i in range(n):
+        u = u_v[:, :, i] - u_s[:, :, i] @ s
+        out[:, :, i] = q_decayed[:, :, i] @ s + inner[:, :, i] @ u
+        s = s * block_decay[:, :, i] + k_to_end[:, :, i].transpose(-1, -2) @ u
+    out = out.reshape(b, h, n * chunk, dv)[:, :, :t]
+    return out.transpose(1, 2).to(dtype), s
+
+
+class GatedRMSNorm(nn.Module):
+    """RMSNorm of each head's output, then times silu(z): the DeltaNet's output gate."""
+
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
+        normed = F.rms_norm(x.float(), x.shape[-1:], eps=self.eps).to(x.dtype)
+        return (self.weight * normed * F.silu(z.float())).to(x.dtype)
+
+
+class GatedDeltaNet(nn.Module):
+    """A Qwen3-Next linear-attention layer: projections, short convolution, delta rule, gated norm.
+
+    Parameter names and layouts are Hugging Face's: in_proj_qkvz holds, per key head, its q and
+    k rows and then the v and z rows of the value heads that read it; in_proj_ba likewise b and a.
+    """
+
+    def __init__(self, cfg: ModelConfig, layer_index: int) -> None:
+        super().__init__()
+        self.layer_index = layer_index
+        self.hk, self.hv = cfg.linear_num_key_heads, cfg.linear_num_value_heads
+        self.dk, self.dv = cfg.linear_key_head_dim, cfg.linear_value_head_dim
+        self.kernel = cfg.linear_conv_kernel
+        key_dim, value_dim = self.hk * self.dk, self.hv * self.dv
+        self.conv_dim = 2 * key_dim + value_dim
+        self.in_proj_qkvz = Linear(cfg.hidden_size, 2 * key_dim + 2 * value_dim, bias=False)
+        self.in_proj_ba = Linear(cfg.hidden_size, 2 * self.hv, bias=False)
+        self.conv1d = nn.Conv1d(self.conv_dim, self.conv_dim, self.kernel, groups=self.conv_dim, bias=False)
+        self.dt_bias = nn.Parameter(torch.empty(self.hv))
+        self.A_log = nn.Parameter(torch.empty(self.hv))
+        self.norm = GatedRMSNorm(self.dv, cfg.rms_norm_eps)
+        self.out_proj = Linear(value_dim, cfg.hidden_size, bias=False)
+
+    def state_shapes(self) -> StateShapes:
+        """The convolution's tail (its last K-1 inputs) and the delta rule's matrix per head."""
+        return {"conv": (self.conv_dim, self.kernel - 1), "ssm": (self.hv, self.dk, self.dv)}
+
+    def _split(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """x [T, hidden] -> mixed q|k|v [T, conv_dim], z [T, Hv, Dv], b and a [T, Hv]."""
+        t = x.shape[0]
+        r = self.hv // self.hk
+        qkvz = self.in_proj_qkvz.forward(x).view(t, self.hk, -1)
+        q, k, v, z = qkvz.split((self.dk, self.dk, r * self.dv, r * self.dv), dim=-1)
+        ba = self.in_proj_ba.forward(x).view(t, self.hk, 2 * r)
+        b, a = ba.split((r, r), dim=-1)
+        mixed = torch.cat((q.reshape(t, -1), k.reshape(t, -1), v.reshape(t, -1)), dim=-1)
+        return mixed, z.reshape(t, self.hv, self.dv), b.reshape(t, self.hv), a.reshape(t, self.hv)
+
+    def _mix(self, mixed: torch.Tensor, b: torch.Tensor, a: torch.Tensor, conv: torch.Tensor,
+             ssm: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """B sequences of T rows each (mixed [B, T, conv_dim], b and a [B, T, Hv]) from their
+        states -> (core output [B, T, Hv, Dv], new conv tail, new matrix state)."""
+        bsz, t, _ = mixed.shape
+        mixed, conv = causal_conv1d(mixed, self.conv1d.weight.squeeze(1), conv)
+        key_dim = self.hk * self.dk
+        q, k, v = mixed.split((key_dim, key_dim, self.hv * self.dv), dim=-1)
+        q = q.reshape(bsz, t, self.hk, self.dk)
+        k = k.reshape(bsz, t, self.hk, self.dk)
+        v = v.reshape(bsz, t, self.hv, self.dv)
+        beta = b.sigmoid()
+        g = -self.A_log.float().exp() * F.softplus(a.float() + self.dt_bias)
+        rule = recurrent_gated_delta_rule if t == 1 else chunk_gated_delta_rule
+        out, ssm = rule(q, k, v, g, beta, ssm)
+        return out, conv, ssm
+
+    def forward(self, x: torch.Tensor, states: StateContext | None) -> torch.Tensor:
+        """x [T, hidden] -> [T, hidden]: each span of `states` continues its sequence's state.
+
+        The one-row spans (decode) are computed together; each longer span (a prompt or a part
+        of one) by itself in the chunked form.
+        """
+        if states is None:
+            raise ValueError("a gated DeltaNet layer needs a StateContext for its recurrent state")
+        mixed, z, b, a = self._split(x)
+        before = states.load(self.layer_index)
+        conv, ssm = before["conv"].clone(), before["ssm"].clone()
+        out = torch.empty(x.shape[0], self.hv, self.dv, dtype=x.dtype, device=x.device)
+        spans = states.spans
+        single = [i for i, (_, n) in enumerate(spans) if n == 1]
+        if single:
+            seqs = torch.tensor(single, device=x.device)
+            rows = torch.tensor([spans[i][0] for i in single], device=x.device)
+            o, conv[seqs], ssm[seqs] = self._mix(mixed[rows, None], b[rows, None], a[rows, None],
+                                                 conv[seqs], ssm[seqs])
+            out[rows] = o[:, 0]
+        for i, (start, n) in enumerate(spans):
+            if n > 1:
+                part = slice(start, start + n)
+                o, conv[i : i + 1], ssm[i : i + 1] = self._mix(mixed[None, part], b[None, part],
+                                                               a[None, part], conv[i : i + 1], ssm[i : i + 1])
+                out[part] = o[0]
+        states.save(self.layer_index, {"conv": conv, "ssm": ssm})
+        out = self.norm.forward(out, z).reshape(x.shape[0], -1)
+        return self.out_proj.forward(out)

@@ -1,0 +1,114 @@
+"""Qwen3-Next (Qwen3-Next-80B-A3B): gated DeltaNet layers with a gated attention layer every fourth.
+
+Three of every four layers are linear attention (`deltanet.py`): a fixed-size
+recurrent state per sequence instead of K/V. The others are full attention
+whose q_proj also yields a per-head output gate (attention output times
+sigmoid(gate) before o_proj), with q/k norms and RoPE on only the first
+quarter of each head (partial_rotary_factor 0.25). Every RMSNorm outside the
+DeltaNet's output gate is zero-centred: it scales by 1 + weight. The MLPs are
+Qwen2-MoE's: routed experts plus a shared expert with a sigmoid gate
+(`moe.SparseMLP`), or dense SwiGLU where the config says so.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from strata.attention.base import AttentionContext
+from strata.kv.state import StateContext, StateShapes
+from strata.models.architecture import Architecture
+from strata.models.base import ModelConfig
+from strata.models.deltanet import GatedDeltaNet
+from strata.models.dense import MLP, Linear
+from strata.models.layers import DecoderModel
+from strata.models.moe import SparseMLP
+from strata.models.rope import apply_partial_rope
+
+
+class ZeroCentredRMSNorm(nn.Module):
+    """RMSNorm scaling by (1 + weight), all in float32 before the cast back (HF's order)."""
+
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        normed = F.rms_norm(x.float(), x.shape[-1:], eps=self.eps)
+        return (normed * (1.0 + self.weight.float())).to(x.dtype)
+
+
+class GatedAttention(nn.Module):
+    """Full attention with an output gate: q_proj's rows are, per head, the query then the gate."""
+
+    def __init__(self, cfg: ModelConfig, layer_index: int) -> None:
+        super().__init__()
+        self.layer_index = layer_index
+        self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        kv = cfg.num_kv_heads * cfg.head_dim
+        self.q_size = cfg.num_heads * cfg.head_dim
+        self.qkv_proj = Linear(cfg.hidden_size, 2 * self.q_size + 2 * kv, bias=cfg.attention_bias)
+        self.o_proj = Linear(self.q_size, cfg.hidden_size, bias=False)
+        self.q_norm = ZeroCentredRMSNorm(cfg.head_dim, cfg.rms_norm_eps)
+        self.k_norm = ZeroCentredRMSNorm(cfg.head_dim, cfg.rms_norm_eps)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                ctx: AttentionContext) -> torch.Tensor:
+        t, d = x.shape[0], self.head_dim
+        kv = self.num_kv_heads * d
+        qg, k, v = self.qkv_proj.forward(x).split((2 * self.q_size, kv, kv), dim=-1)
+        q, gate = qg.view(t, self.num_heads, 2 * d).split((d, d), dim=-1)
+        q = apply_partial_rope(self.q_norm.forward(q.contiguous()), cos, sin).contiguous()
+        k = apply_partial_rope(self.k_norm.forward(k.reshape(t, -1, d)), cos, sin).contiguous()
+        v = v.reshape(t, -1, d).contiguous()
+        out = ctx.attend(self.layer_index, q, k, v).reshape(t, self.q_size)
+        return self.o_proj.forward(out * torch.sigmoid(gate.reshape(t, self.q_size)))
+
+
+class Qwen3NextLayer(nn.Module):
+    """Pre-norm residual block: a DeltaNet (`linear_attn`) or gated attention (`self_attn`), then
+    the MLP."""
+
+    def __init__(self, cfg: ModelConfig, layer_index: int) -> None:
+        super().__init__()
+        self.input_layernorm = ZeroCentredRMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.linear_attn = GatedDeltaNet(cfg, layer_index) if cfg.linear(layer_index) else None
+        self.self_attn = None if cfg.linear(layer_index) else GatedAttention(cfg, layer_index)
+        self.post_attention_layernorm = ZeroCentredRMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.mlp: MLP | SparseMLP
+        if cfg.sparse(layer_index):
+            self.mlp = SparseMLP(cfg.hidden_size, cfg.num_experts, cfg.experts_per_token, cfg.expert_ffn,
+                                 cfg.norm_topk_prob, cfg.shared_expert_ffn)
+        else:
+            self.mlp = MLP(cfg.hidden_size, cfg.intermediate_size)
+
+    def forward(self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, ctx: AttentionContext,
+                states: StateContext | None = None) -> torch.Tensor:
+        x = self.input_layernorm.forward(h)
+        if self.linear_attn is not None:
+            h = h + self.linear_attn.forward(x, states)
+        else:
+            assert self.self_attn is not None
+            h = h + self.self_attn.forward(x, cos, sin, ctx)
+        return h + self.mlp.forward(self.post_attention_layernorm.forward(h))
+
+
+class Qwen3NextModel(DecoderModel):
+    """The shared decoder's embedding, head and RoPE tables around Qwen3-Next's layers."""
+
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__(cfg)
+        self.norm = ZeroCentredRMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+    def make_layer(self, cfg: ModelConfig, layer_index: int) -> nn.Module:
+        return Qwen3NextLayer(cfg, layer_index)
+
+    def state_layers(self) -> dict[int, StateShapes]:
+        return {i: layer.linear_attn.state_shapes() for i, layer in enumerate(self.layers)
+                if layer.linear_attn is not None}
+
+
+ARCH = Architecture(name="qwen3next", hf_model_types=("qwen3_next",), qk_norm=True, default_head_dim=256,
+                    partial_rotary=True, attn_output_gate=True, model_class=Qwen3NextModel)
