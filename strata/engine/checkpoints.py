@@ -17,6 +17,12 @@ end of the last answer) is kept too.
 A checkpoint at position p stays valid while the lane keeps its first p
 tokens: cutting the lane back drops the ones past the cut. A lane keeps at
 most N, dropping the least recently used first.
+
+A conversation that leaves its lane takes its checkpoints along, with one
+more of the state at its full length (`snapshot`): the conversation cache
+parks them beside its K/V and a session file saves them; `install` puts
+them back into a lane. The states are host tensors that nobody writes once
+saved, so they move between lanes, entries and files without a copy.
 """
 
 from __future__ import annotations
@@ -123,6 +129,33 @@ class Checkpoints:
         self.lanes[lane] = kept
         self._count()
 
+    def snapshot(self, lane: int, length: int) -> list[Checkpoint]:
+        """The lane's checkpoints and its state at its full `length` (a new one): what a parked
+        or saved conversation keeps, ascending by position."""
+        held = [c for c in self._held(lane) if c.position < length]
+        now = Checkpoint(length, self.pool.export(lane), self.pool.bytes_per_lane(), self._now())
+        return held + [now]
+
+    def install(self, lane: int, states: list[Checkpoint], position: int) -> None:
+        """The lane now holds a conversation's first `position` tokens (restored from the cache
+        or a file): its state becomes the one saved at `position`, its checkpoints those up to it."""
+        state = next((c for c in states if c.position == position), None)
+        if state is None:
+            raise ValueError(f"no saved state at position {position}")
+        self.pool.load(lane, state.state)
+        before = [c for c in states if c.position <= position]
+        self.lanes[lane] = before[len(before) - self.per_lane:] if self.per_lane > 0 else []
+        state.used = self._now()
+        self.stats.restores += 1
+        self.stats.tokens_reused += position
+        self._count()
+
+    def layout(self) -> list[tuple[str, torch.dtype, tuple[int, ...]]]:
+        """("layer.name", dtype, per-lane shape) of every state tensor, in `flat_state`'s order:
+        what a session file records and checks."""
+        return [(f"{layer}.{name}", t.dtype, tuple(t.shape[1:]))
+                for layer, named in sorted(self.pool.layers.items()) for name, t in sorted(named.items())]
+
     def cut_points(self, start: int, length: int) -> list[int]:
         """Where reading a prompt of `length` tokens from `start` stops (module docstring)."""
         return cut_points(start, length, self.min_step) if self.per_lane > 0 else []
@@ -137,3 +170,17 @@ class Checkpoints:
         held = [c for cs in self.lanes.values() for c in cs]
         self.stats.held = len(held)
         self.stats.bytes = sum(c.nbytes for c in held)
+
+
+def flat_state(state: State) -> dict[str, torch.Tensor]:
+    """A state keyed "layer.name" (layers ascending, names sorted): a session file's runs."""
+    return {f"{layer}.{name}": t for layer, named in sorted(state.items()) for name, t in sorted(named.items())}
+
+
+def nested_state(flat: dict[str, torch.Tensor]) -> State:
+    """`flat_state` undone."""
+    out: State = {}
+    for key, t in flat.items():
+        layer, name = key.split(".", 1)
+        out.setdefault(int(layer), {})[name] = t
+    return out

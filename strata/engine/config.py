@@ -87,13 +87,15 @@ def pool_chunk_size(config: EngineConfig) -> int:
     return sizes[-1]
 
 
-def cache_size(config: EngineConfig, bytes_per_cell: int) -> tuple[int, int]:
+def cache_size(config: EngineConfig, bytes_per_cell: int, state_bytes: int = 0) -> tuple[int, int]:
     """(slots, bytes) of the conversation cache: --prompt-cache N gives N slots and, without
     --conversation-cache-mib, room for N whole contexts of `bytes_per_cell` (the layers this
-    process keeps); otherwise the --conversation-cache-* flags (0 bytes: no cache)."""
+    process keeps) and `state_bytes` (a recurrent model's saved states of one conversation);
+    otherwise the --conversation-cache-* flags (0 bytes: no cache)."""
     mib = config.conversation_cache_mib
     if config.prompt_cache > 0:
-        budget = mib << 20 if mib > 0 else config.prompt_cache * config.max_context * bytes_per_cell
+        whole = config.max_context * bytes_per_cell + state_bytes
+        budget = mib << 20 if mib > 0 else config.prompt_cache * whole
         return config.prompt_cache, budget
     return config.conversation_cache_slots, mib << 20
 

@@ -17,6 +17,9 @@ Policy, in one place:
 - There is no gate that throws the image away when the cache is full: the
   parked image replaces memory the cache already counted, and `make_room`
   already evicts the same entries or fewer than a full recapture would need.
+- A recurrent model's conversation carries its saved states (`checkpoints.py`:
+  its checkpoints and its state at full length). They are counted in the
+  entry's bytes and go back to a lane with it; the reuse image keeps K/V only.
 
 The engine owns capturing and restoring K/V; this module only keeps tensors.
 It is driven from the engine loop and is not thread-safe.
@@ -27,10 +30,11 @@ from __future__ import annotations
 import math
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 
 import torch
 
+from strata.engine.checkpoints import Checkpoint
 from strata.kv.formats import Storage
 
 TOKEN_DTYPE = torch.int32
@@ -158,9 +162,14 @@ class ParkedEntry:
     entry_id: int
     tokens: torch.Tensor  # int32 [n]
     kv: ParkedKV
+    states: list[Checkpoint] = field(default_factory=list)  # a recurrent model's, by position
 
     def nbytes(self) -> int:
-        return self.kv.nbytes() + self.tokens.nbytes
+        return self.kv.nbytes() + self.tokens.nbytes + states_bytes(self.states)
+
+
+def states_bytes(states: Sequence[Checkpoint]) -> int:
+    return sum(c.nbytes for c in states)
 
 
 @dataclass
@@ -328,7 +337,7 @@ class ConversationCache:
             self.evictions += 1
         return len(self._entries) < self.slots and self.bytes() <= limit
 
-    def put(self, tokens: Tokens, kv: ParkedKV) -> int:
+    def put(self, tokens: Tokens, kv: ParkedKV, states: Sequence[Checkpoint] = ()) -> int:
         """Park a conversation (after `make_room`); returns its entry id.
 
         Charges the entry's true size. Entries whose tokens are a prefix of the
@@ -340,7 +349,7 @@ class ConversationCache:
         for eid in [e for e, x in self._entries.items() if x.tokens.equal(toks[: len(x.tokens)])]:
             self._bytes -= self._entries.pop(eid).nbytes()
             self.superseded += 1
-        entry = ParkedEntry(self._next_id, toks, kv)
+        entry = ParkedEntry(self._next_id, toks, kv, list(states))
         self._next_id += 1
         self._entries[entry.entry_id] = entry
         self._bytes += entry.nbytes()
@@ -352,15 +361,18 @@ class ConversationCache:
         capture_fn: CaptureFn,
         bytes_per_token: int,
         held_bytes: int = 0,
+        states: Sequence[Checkpoint] = (),
     ) -> int | None:
         """Park a lane's conversation, capturing only what the reuse image lacks.
 
         `capture_fn(start, end)` returns the K/V of positions [start, end) per
-        layer. Returns the entry id, or None when it cannot fit (not parked; the
-        conversation's reuse image is then gone too).
+        layer; `states` are a recurrent model's saved states of it. Returns the
+        entry id, or None when it cannot fit (not parked; the conversation's
+        reuse image is then gone too).
         """
         toks = as_tokens(tokens)
         n = len(toks)
+        extra = states_bytes(states)
         image, shared = self.reuse_for(toks)
         if image is not None:
             # The image becomes this entry: it stops counting as optional storage,
@@ -368,9 +380,9 @@ class ConversationCache:
             self._reuse = None
             kv = image.kv
             kv.truncate(shared)
-            incoming = kv.nbytes_for(n) + toks.nbytes
+            incoming = kv.nbytes_for(n) + toks.nbytes + extra
         else:
-            incoming = self.estimate_bytes(n, bytes_per_token)
+            incoming = self.estimate_bytes(n, bytes_per_token) + extra
         if not self.make_room(incoming, held_bytes):
             self.skipped_parks += 1
             return None
@@ -381,8 +393,8 @@ class ConversationCache:
         else:
             kv = ParkedKV(capture_fn(0, n))
             self.full_parks += 1
-        true_size = kv.nbytes() + toks.nbytes
+        true_size = kv.nbytes() + toks.nbytes + extra
         if true_size > incoming and not self.make_room(true_size, held_bytes):
             self.skipped_parks += 1  # capture_fn gave more than bytes_per_token promised
             return None
-        return self.put(toks, kv)
+        return self.put(toks, kv, states)

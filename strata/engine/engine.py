@@ -175,18 +175,18 @@ class Engine:
         self.conversations: ConversationCache | None = None
         parking = None
         kept = self.pool.kept if isinstance(self.pool, SplitPool) else None
-        slots, budget = cache_size(config, kept.local_bytes_per_cell() if kept else self.pool.bytes_per_cell())
         self.checkpoints: Checkpoints | None = None
+        state_bytes = 0  # a parked conversation's saved states, at most
         if self.states is not None:  # a conversation resumes from its state or a checkpoint
             self.checkpoints = Checkpoints(self.states, config.ctx_checkpoints, config.prompt_cache_min_step)
+            state_bytes = (config.ctx_checkpoints + 1) * self.states.bytes_per_lane()
             log.info("recurrent state: %d layers, %.1f MiB a lane; %d checkpoints a conversation",
                      len(state_shapes), self.states.bytes_per_lane() / 2**20, config.ctx_checkpoints)
-            if budget > 0:
-                log.warning("the conversation cache does not park recurrent state yet: conversations "
-                            "stay in their lanes only")
-        elif budget > 0:
+        slots, budget = cache_size(config, kept.local_bytes_per_cell() if kept else self.pool.bytes_per_cell(),
+                                   state_bytes)
+        if budget > 0:
             self.conversations = ConversationCache(budget, slots)
-            parking = Parking(self.pool, self.conversations, kept)
+            parking = Parking(self.pool, self.conversations, kept, self.checkpoints)
         self.scheduler = Scheduler(self.pool, config.parallel, config.prefill_chunk,
                                    prefix_reuse=config.prefix_reuse, parking=parking,
                                    checkpoints=self.checkpoints)
@@ -198,8 +198,7 @@ class Engine:
         if self.states is not None:  # a wasted step would carry the state past the lane's tokens
             self.pipeline = False
         self.stop_ids = set(self.tokenizer.stop_token_ids)
-        self.sessions = SessionFiles(self.scheduler, config.session_dir, self.loaded.identity, mc.vocab_size,
-                                     recurrent=self.states is not None)
+        self.sessions = SessionFiles(self.scheduler, config.session_dir, self.loaded.identity, mc.vocab_size)
         # the server checks grammars (`engine.grammars.check`) from its threads before submitting
         self.grammars = Grammars(self.tokenizer, mc.vocab_size)
         self.masks = GrammarMasks(self.grammars.vocab_size, pin=self.device.type == "cuda")

@@ -3,7 +3,9 @@
 The cache (`conversation_cache.py`) only keeps tensors and decides capacity;
 this module knows the pool: it captures a lane's cells as the format's raw
 runs (no dequantization, so a restore is bit-exact) and writes them back into
-a lane's chunks.
+a lane's chunks. A recurrent model's conversation also takes its saved states
+(`checkpoints.py`); it comes back only at one of their positions, since its
+state cannot be cut to any other prefix.
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ from typing import Protocol
 
 import torch
 
+from strata.engine.checkpoints import Checkpoints
 from strata.engine.conversation_cache import ConversationCache, ParkedEntry
 from strata.engine.scheduler import Lane
 from strata.errors import PartMissing
@@ -43,10 +46,15 @@ def part_id(tokens: torch.Tensor) -> str:
 
 
 class Parking:
-    def __init__(self, pool: TablePool, cache: ConversationCache, remote: KeptRemotely | None = None) -> None:
+    def __init__(self, pool: TablePool, cache: ConversationCache, remote: KeptRemotely | None = None,
+                 checkpoints: Checkpoints | None = None) -> None:
+        """checkpoints: a recurrent model's (the lanes' states are parked with their K/V)."""
+        if remote is not None and checkpoints is not None:
+            raise ValueError("remote stages do not keep recurrent state")
         self.pool = pool
         self.cache = cache
         self.remote = remote
+        self.checkpoints = checkpoints
         self.bytes_per_token = pool.bytes_per_cell() if remote is None else remote.local_bytes_per_cell()
 
     def capture(self, lane: Lane, start: int, end: int) -> list[Storage]:
@@ -61,7 +69,9 @@ class Parking:
         if not lane.tokens:
             return False
         tokens = list(lane.tokens)
-        eid = self.cache.park(tokens, lambda s, e: self.capture(lane, s, e), self.bytes_per_token)
+        states = self.checkpoints.snapshot(lane.index, len(tokens)) if self.checkpoints is not None else []
+        eid = self.cache.park(tokens, lambda s, e: self.capture(lane, s, e), self.bytes_per_token,
+                              states=states)
         if eid is not None and self.remote is not None:
             self.remote.keep(part_id(self.cache.entry(eid).tokens), lane.index, len(tokens), self.live_parts())
         return eid is not None
@@ -89,7 +99,12 @@ class Parking:
         if hit is None:
             return None
         eid, n = hit
-        return eid, min(n, len(prompt) - 1)
+        n = min(n, len(prompt) - 1)
+        if self.checkpoints is not None:  # only where a saved state is
+            n = max((c.position for c in self.cache.entry(eid).states if c.position <= n), default=0)
+            if n == 0:
+                return None
+        return eid, n
 
     def restore(self, lane: Lane, eid: int, n: int) -> None:
         """Write the first `n` parked positions into the lane's (already reserved) chunks.
@@ -105,6 +120,8 @@ class Parking:
             entry = self.cache.borrow(eid)
         if self.remote is None:
             write_entry(self.pool, lane.index, entry, n)
+            if self.checkpoints is not None:
+                self.checkpoints.install(lane.index, entry.states, n)
         else:
             self.remote.import_local(lane.index, 0, [{k: t[:n] for k, t in runs.items()}
                                                      for runs in entry.kv.layers()])

@@ -80,8 +80,6 @@ class Scheduler:
         self.counters = Counters()
         self.parking = parking  # conversations displaced from lanes go there (the conversation cache)
         self.checkpoints = checkpoints
-        if checkpoints is not None and parking is not None:
-            raise ValueError("parking a recurrent model's state is not supported")
 
     # ---- admission ----------------------------------------------------------
     def free_lanes(self) -> list[Lane]:
@@ -186,13 +184,20 @@ class Scheduler:
 
     def _admit_resumed(self, req: Request, lane: Lane, m: int) -> Lane:
         """`admit` for a recurrent model: the lane's state covers its whole conversation, so a
-        shared prefix `m` shorter than that is usable only from a checkpoint at or before it."""
+        shared prefix `m` shorter than that is usable only from a checkpoint at or before it; a
+        parked conversation only from one of its saved states (`parking.py`)."""
         cps = self.checkpoints
         assert cps is not None
         whole = m > 0 and m == len(lane.tokens)
         if not whole:
             m = cps.best(lane.index, m)
-        self.give_way(lane, m)
+        hit = self.parking.find(req.prompt) if self.parking is not None and self.prefix_reuse else None
+        if hit is not None and hit[1] > m:
+            self.give_way(lane, 0)
+            m, whole = 0, False
+        else:
+            hit = None
+            self.give_way(lane, m)
         if not self.reserve_for(lane, len(req.prompt)):
             self.counters.refusals += 1
             raise KvPoolFull(
@@ -201,11 +206,19 @@ class Scheduler:
                 f"{self.pool.free_chunks} free and no idle conversation left to evict",
                 retry_after=self.retry_after,
             )
-        if whole:
+        if hit is not None and hit[0] in self.parking.cache.entry_ids():  # type: ignore[union-attr]
+            self.parking.restore(lane, hit[0], hit[1])  # type: ignore[union-attr]
+            m = hit[1]
+            self.counters.restores += 1
+            self.counters.restored_tokens += m
+        elif whole:
             cps.save(lane.index, m)  # the end of the last answer: a cut point of the chat
         else:
             cps.resume(lane.index, m)
-        if m:
+            if m:
+                self.counters.prefix_reuse_hits += 1
+                self.counters.prefix_tokens_reused += m
+        if whole:
             self.counters.prefix_reuse_hits += 1
             self.counters.prefix_tokens_reused += m
         req.cursor = req.cached = m

@@ -4,9 +4,11 @@ Saves and the writing half of a restore run inside the engine loop (between
 steps), so they never race a forward pass. A restore is read and checked
 first, off the engine thread (`read`: only regular files, the checksum, then
 every layout fact against this engine: layers, runs, dtypes, cell shapes,
-length, token ids), then `install` reserves the pool chunks it needs
-(KvPoolFull if they are not there) and only then writes a byte; on any error
-the engine is left as it was.
+length, token ids, a recurrent model's state layout), then `install`
+reserves the pool chunks it needs (KvPoolFull if they are not there) and only
+then writes a byte; on any error the engine is left as it was. A recurrent
+model's file holds the conversation's saved states (`checkpoints.py`: its
+checkpoints and its state at the end), so it continues where it was saved.
 """
 
 from __future__ import annotations
@@ -18,17 +20,20 @@ from typing import Any
 
 import torch
 
+from strata.engine.checkpoints import Checkpoint, Checkpoints, flat_state, nested_state
 from strata.engine.scheduler import Lane, Scheduler
 from strata.engine.snapshot import (
+    RunInfo,
+    SavedState,
     SessionHeader,
     check_layout,
     check_tokens,
     layout_of,
-    load_session,
+    read_session,
     resolve_session_path,
     save_session,
 )
-from strata.errors import BadRequest, KvPoolFull, StrataError
+from strata.errors import BadRequest, KvPoolFull, SessionFileError, StrataError
 from strata.kv.formats import Storage
 
 
@@ -40,6 +45,7 @@ class LoadedSession:
     tokens: torch.Tensor
     layers: list[Storage]
     n_bytes: int
+    states: list[Checkpoint]  # a recurrent model's saved states, ascending; the last at the end
 
 
 @dataclass
@@ -52,22 +58,22 @@ class SessionResult:
 
 class SessionFiles:
     def __init__(self, scheduler: Scheduler, session_dir: str | None, model_identity: str,
-                 vocab_size: int | None = None, recurrent: bool = False) -> None:
-        """recurrent: the model carries per-lane state, which the format does not hold yet."""
+                 vocab_size: int | None = None) -> None:
         self.scheduler = scheduler
-        self.recurrent = recurrent
+        self.checkpoints: Checkpoints | None = scheduler.checkpoints  # a recurrent model's
         self.pool = scheduler.pool
         self.session_dir = session_dir
         self.identity = model_identity
         self.vocab_size = vocab_size
         # fixed for the engine's life: safe to read anywhere; every layer's cells have the format's runs
         self.layout = layout_of([self.pool.fmt.allocate(0, "cpu") for _ in range(self.pool.num_layers)])
+        cps = self.checkpoints
+        self.state_layout = tuple(RunInfo(name, str(dtype).removeprefix("torch."), shape)
+                                  for name, dtype, shape in (cps.layout() if cps is not None else []))
 
     def _path(self, filename: str) -> Path:
         if self.session_dir is None:
             raise SessionFilesDisabled()
-        if self.recurrent:
-            raise BadRequest("session files do not hold a recurrent model's state yet", "filename")
         return resolve_session_path(self.session_dir, filename)
 
     def _lane(self, index: int) -> Lane:
@@ -84,8 +90,9 @@ class SessionFiles:
         if n == 0:
             raise BadRequest(f"lane {lane_index} holds no conversation to save", "id_slot")
         layers = self.pool.export_range(lane.index, 0, n)
+        states = self.checkpoints.snapshot(lane.index, n) if self.checkpoints is not None else []
         size = save_session(path, lane.tokens, layers, model_identity=self.identity,
-                            kv_format=self.pool.fmt.name)
+                            kv_format=self.pool.fmt.name, states=saved(states))
         return SessionResult(lane_index, filename, n, size)
 
     def save_parked(self, cache: Any, entry_id: int, filename: str) -> SessionResult:
@@ -98,7 +105,7 @@ class SessionFiles:
         layers = parking.entry_runs(entry_id) if parking is not None else entry.kv.layers()
         n = entry.kv.n_cells
         size = save_session(path, entry.tokens[:n], layers, model_identity=self.identity,
-                            kv_format=self.pool.fmt.name)
+                            kv_format=self.pool.fmt.name, states=saved(entry.states))
         return SessionResult(-1, filename, n, size)
 
     def restore(self, lane_index: int, filename: str) -> SessionResult:
@@ -121,12 +128,31 @@ class SessionFiles:
             if self.pool.chunks_for(n) > self.pool.num_chunks:
                 raise BadRequest(f"{filename}: {n} tokens are more than the whole KV pool holds "
                                  f"({self.pool.total_cells} cells)", "filename")
+            self._check_states(header, where)
 
-        tokens, layers = load_session(path, model_identity=self.identity, kv_format=self.pool.fmt.name,
-                                      accept=accept)  # one open: the header checked is the one read
+        data = read_session(path, model_identity=self.identity, kv_format=self.pool.fmt.name,
+                            accept=accept)  # one open: the header checked is the one read
         if self.vocab_size is not None:
-            check_tokens(tokens, self.vocab_size, where)
-        return LoadedSession(filename, tokens, layers, os.lstat(path).st_size)
+            check_tokens(data.tokens, self.vocab_size, where)
+        states = [Checkpoint(pos, nested_state(flat), sum(t.nbytes for t in flat.values()), 0)
+                  for pos, flat in data.states]
+        return LoadedSession(filename, data.tokens, data.layers, os.lstat(path).st_size, states)
+
+    def _check_states(self, header: SessionHeader, where: str) -> None:
+        """A recurrent model needs the file's state at its end, in this model's layout; any other
+        model refuses a file with states."""
+        if not self.state_layout:
+            if header.state_runs:
+                raise SessionFileError(where, "holds recurrent state; this model has no recurrent layers")
+            return
+        if not header.state_positions or header.state_positions[-1] != header.n_tokens:
+            raise SessionFileError(where, "holds no recurrent state at its end; this model needs it")
+        if header.state_runs != self.state_layout:
+            got = {r.name: (r.dtype, list(r.shape)) for r in header.state_runs}
+            want = {r.name: (r.dtype, list(r.shape)) for r in self.state_layout}
+            diff = sorted(k for k in got.keys() | want.keys() if got.get(k) != want.get(k))
+            raise SessionFileError(where, f"its recurrent state differs from this model's (first at "
+                                          f"{diff[0] if diff else 'the run order'})")
 
     def install(self, lane_index: int, loaded: LoadedSession) -> SessionResult:
         """Write a checked session into an idle lane (engine thread), its old conversation giving way."""
@@ -144,6 +170,8 @@ class SessionFiles:
                              retry_after=self.scheduler.retry_after)
         self.pool.import_range(lane.index, 0, [{k: torch.as_tensor(a[:n]) for k, a in runs.items()}
                                                for runs in loaded.layers])
+        if self.checkpoints is not None:
+            self.checkpoints.install(lane.index, loaded.states, n)
         lane.tokens = loaded.tokens.tolist()
         return SessionResult(lane_index, loaded.filename, n, loaded.n_bytes)
 
@@ -152,6 +180,11 @@ class SessionFiles:
         idle = sum(self.pool.reserved[o.index] for o in self.scheduler.lanes
                    if o.request is None and o is not lane and o.tokens)
         return self.pool.free_chunks + self.pool.reserved[lane.index] + idle >= need
+
+
+def saved(states: list[Checkpoint]) -> list[SavedState]:
+    """Checkpoints as a session file's saved states."""
+    return [(c.position, flat_state(c.state)) for c in states]
 
 
 class SessionFilesDisabled(StrataError):

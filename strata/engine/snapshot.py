@@ -6,11 +6,17 @@ Layout (all integers little-endian):
     version u32      FORMAT_VERSION
     hlen    u32      length of the header JSON
     header  hlen     UTF-8 JSON: model identity, KV format, token count, every
-                     layer's runs (name, dtype, cell shape), payload length and
+                     layer's runs (name, dtype, cell shape), the saved states
+                     (version 2: their runs and positions), payload length and
                      sha256, byte order
     hcrc    u32      crc32 of the header JSON
     payload          token ids (int32), then each layer's runs in header order,
-                     the first n_tokens cells of each, raw bytes
+                     the first n_tokens cells of each, raw bytes; then (version
+                     2) each saved state's runs in header order, raw bytes
+
+Saved states are a recurrent model's per-conversation state (`kv/state.py`)
+at a few positions: its checkpoints and the state at n_tokens. Version 1
+files (no states) still load.
 
 A load checks everything (magic, version, header, identity, format, lengths,
 checksum) before it returns anything, so a bad file never reaches the pool;
@@ -40,7 +46,8 @@ from strata.errors import BadRequest, SessionFileError
 from strata.kv.formats import Storage
 
 MAGIC = b"STRATAKV"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2
+READABLE_VERSIONS = (1, 2)
 MAX_HEADER = 16 << 20  # a header is a few KB; anything larger is corruption
 _PREFIX = struct.Struct("<8sII")
 _CRC = struct.Struct("<I")
@@ -75,10 +82,24 @@ class SessionHeader:
     layers: tuple[tuple[RunInfo, ...], ...]
     payload_len: int
     payload_sha256: str
+    state_runs: tuple[RunInfo, ...] = ()  # per saved state: "layer.name" -> dtype, shape
+    state_positions: tuple[int, ...] = ()  # ascending, each at most n_tokens
 
     @property
     def n_layers(self) -> int:
         return len(self.layers)
+
+
+SavedState = tuple[int, dict[str, torch.Tensor]]  # (position, "layer.name" -> state tensor)
+
+
+@dataclass
+class SessionData:
+    """What a session file holds: token ids, per-layer K/V runs, saved states."""
+
+    tokens: torch.Tensor
+    layers: list[Storage]
+    states: list[SavedState]
 
 
 def layout_of(storages: list[Storage]) -> tuple[tuple[RunInfo, ...], ...]:
@@ -122,8 +143,10 @@ def _element_size(dtype: str) -> int:
     return torch.empty((), dtype=_DTYPES[dtype]).element_size()
 
 
-def _payload_len(n_tokens: int, layers: tuple[tuple[RunInfo, ...], ...]) -> int:
-    return n_tokens * 4 + sum(r.nbytes(n_tokens) for runs in layers for r in runs)
+def _payload_len(n_tokens: int, layers: tuple[tuple[RunInfo, ...], ...],
+                 state_runs: tuple[RunInfo, ...] = (), n_states: int = 0) -> int:
+    kv = n_tokens * 4 + sum(r.nbytes(n_tokens) for runs in layers for r in runs)
+    return kv + n_states * sum(r.nbytes(1) for r in state_runs)
 
 
 def _raw(t: torch.Tensor) -> memoryview:
@@ -149,6 +172,34 @@ def resolve_session_path(session_dir: str | os.PathLike[str], name: str) -> Path
     return path
 
 
+def _state_runs(states: list[SavedState], n_tokens: int, where: str) -> tuple[tuple[RunInfo, ...], list[memoryview]]:
+    """The runs every saved state holds (the first one's, in its order) and their raw bytes."""
+    if not states:
+        return (), []
+    names = list(states[0][1])
+    runs = []
+    for name in names:
+        t = states[0][1][name]
+        if t.dtype not in _DTYPE_NAMES:
+            raise SessionFileError(where, f"state {name!r}: cannot save {t.dtype}")
+        runs.append(RunInfo(name, _DTYPE_NAMES[t.dtype], tuple(t.shape)))
+    chunks = []
+    last = 0
+    for pos, named in states:
+        if not last < pos <= n_tokens:
+            raise SessionFileError(where, f"saved state at position {pos}: positions must ascend and "
+                                          f"lie in 1..{n_tokens}")
+        last = pos
+        if list(named) != names:
+            raise SessionFileError(where, f"saved state at {pos} holds {list(named)}, not {names}")
+        for r in runs:
+            t = named[r.name]
+            if _DTYPE_NAMES.get(t.dtype) != r.dtype or tuple(t.shape) != r.shape:
+                raise SessionFileError(where, f"saved state {r.name!r} at {pos} differs in type or shape")
+            chunks.append(_raw(t.to("cpu")))
+    return tuple(runs), chunks
+
+
 def save_session(
     path: str | os.PathLike[str],
     tokens: list[int] | torch.Tensor,
@@ -156,11 +207,12 @@ def save_session(
     *,
     model_identity: str,
     kv_format: str,
+    states: list[SavedState] = (),  # type: ignore[assignment]
 ) -> int:
     """Write a session file atomically; returns its size in bytes.
 
     Each run tensor has a leading cell dimension of at least len(tokens); the
-    first len(tokens) cells are saved.
+    first len(tokens) cells are saved. Every saved state names the same runs.
     """
     where = str(path)
     toks = torch.as_tensor(tokens, dtype=TOKEN_DTYPE, device="cpu").reshape(-1).contiguous()
@@ -177,7 +229,8 @@ def save_session(
             runs.append((RunInfo(name, _DTYPE_NAMES[t.dtype], tuple(t.shape[1:])), cells))
         layers.append(runs)
     infos = tuple(tuple(r for r, _ in runs) for runs in layers)
-    chunks = [_raw(toks)] + [_raw(t) for runs in layers for _, t in runs]
+    state_runs, state_chunks = _state_runs(list(states), n, where)
+    chunks = [_raw(toks)] + [_raw(t) for runs in layers for _, t in runs] + state_chunks
     digest = hashlib.sha256()
     for c in chunks:
         digest.update(c)
@@ -185,8 +238,10 @@ def save_session(
         "model_identity": model_identity, "kv_format": kv_format, "n_tokens": n,
         "layers": [[{"name": r.name, "dtype": r.dtype, "shape": list(r.shape)} for r in runs]
                    for runs in infos],
-        "payload_len": _payload_len(n, infos), "payload_sha256": digest.hexdigest(),
-        "byteorder": sys.byteorder,
+        "payload_len": _payload_len(n, infos, state_runs, len(states)),
+        "payload_sha256": digest.hexdigest(), "byteorder": sys.byteorder,
+        "states": {"runs": [{"name": r.name, "dtype": r.dtype, "shape": list(r.shape)} for r in state_runs],
+                   "positions": [pos for pos, _ in states]},
     }
     blob = json.dumps(header, separators=(",", ":")).encode("utf-8")
     target = Path(path)
@@ -230,6 +285,10 @@ def _parse_header(blob: bytes, where: str) -> dict[str, Any]:
             "payload_len": int(h["payload_len"]), "payload_sha256": str(h["payload_sha256"]),
             "byteorder": str(h["byteorder"]),
         }
+        st = h.get("states") or {"runs": [], "positions": []}
+        out["state_runs"] = tuple(RunInfo(str(r["name"]), str(r["dtype"]), tuple(int(x) for x in r["shape"]))
+                                  for r in st["runs"])
+        out["state_positions"] = tuple(int(x) for x in st["positions"])
     except (UnicodeDecodeError, ValueError, KeyError, TypeError) as e:
         raise SessionFileError(where, f"header is malformed ({type(e).__name__}: {e})") from None
     for runs in layers:
@@ -238,6 +297,15 @@ def _parse_header(blob: bytes, where: str) -> dict[str, Any]:
         for r in runs:
             if r.dtype not in _DTYPES or any(s < 0 for s in r.shape):
                 raise SessionFileError(where, f"header names an unknown run layout {r}")
+    for r in out["state_runs"]:
+        if r.dtype not in _DTYPES or any(x < 0 for x in r.shape):
+            raise SessionFileError(where, f"header names an unknown state layout {r}")
+    pos = out["state_positions"]
+    if any(not a < b for a, b in zip((0,) + pos, pos)) or (pos and pos[-1] > out["n_tokens"]):
+        raise SessionFileError(where, f"header's saved-state positions {list(pos)} are not ascending "
+                                      f"within the {out['n_tokens']} tokens")
+    if bool(pos) != bool(out["state_runs"]):
+        raise SessionFileError(where, "header's saved states name no runs, or runs without positions")
     return out
 
 
@@ -247,9 +315,10 @@ def _read_header(
     magic, version, hlen = _PREFIX.unpack(_read_exact(f, _PREFIX.size, where, "file header"))
     if magic != MAGIC:
         raise SessionFileError(where, "not a Strata session file (bad magic bytes)")
-    if version != FORMAT_VERSION:
+    if version not in READABLE_VERSIONS:
         raise SessionFileError(
-            where, f"session file format version {version}; this Strata reads {FORMAT_VERSION}")
+            where, f"session file format version {version}; this Strata reads versions "
+                   f"{', '.join(map(str, READABLE_VERSIONS))}")
     if hlen > MAX_HEADER:
         raise SessionFileError(where, f"header length {hlen} is implausible (file corrupted)")
     blob = _read_exact(f, hlen, where, "header")
@@ -266,7 +335,10 @@ def _read_header(
     if kv_format is not None and h["kv_format"] != kv_format:
         raise SessionFileError(
             where, f"saved with --kv {h['kv_format']}, this engine uses --kv {kv_format}")
-    if h["n_tokens"] < 0 or h["payload_len"] != _payload_len(h["n_tokens"], h["layers"]):
+    if version == 1 and h["state_runs"]:
+        raise SessionFileError(where, "a version 1 file cannot hold saved states (file corrupted)")
+    expected = _payload_len(h["n_tokens"], h["layers"], h["state_runs"], len(h["state_positions"]))
+    if h["n_tokens"] < 0 or h["payload_len"] != expected:
         raise SessionFileError(where, "header lengths disagree (file corrupted)")
     have = os.fstat(f.fileno()).st_size - f.tell()
     if have < h["payload_len"]:
@@ -320,7 +392,17 @@ def load_session(
     path: str | os.PathLike[str], *, model_identity: str, kv_format: str,
     accept: Callable[[SessionHeader], None] | None = None,
 ) -> tuple[torch.Tensor, list[Storage]]:
-    """(token ids int32 [n], per layer run name -> CPU tensor [n, *cell shape]).
+    """(token ids int32 [n], per layer run name -> CPU tensor [n, *cell shape]): `read_session`
+    for callers that keep no states."""
+    data = read_session(path, model_identity=model_identity, kv_format=kv_format, accept=accept)
+    return data.tokens, data.layers
+
+
+def read_session(
+    path: str | os.PathLike[str], *, model_identity: str, kv_format: str,
+    accept: Callable[[SessionHeader], None] | None = None,
+) -> SessionData:
+    """Token ids, per-layer runs and saved states of a session file.
 
     Raises SessionFileError naming the file for anything wrong; nothing is
     returned until the payload checksum has been verified. `accept` sees the
@@ -338,12 +420,17 @@ def load_session(
             {r.name: torch.empty((n, *r.shape), dtype=_DTYPES[r.dtype]) for r in runs}
             for runs in h.layers
         ]
+        states: list[SavedState] = [
+            (pos, {r.name: torch.empty(r.shape, dtype=_DTYPES[r.dtype]) for r in h.state_runs})
+            for pos in h.state_positions
+        ]
         digest = hashlib.sha256()
-        for t in [tokens] + [t for s in layers for t in s.values()]:
+        every = [tokens] + [t for s in layers for t in s.values()] + [t for _, st in states for t in st.values()]
+        for t in every:
             buf = _raw(t)
             if f.readinto(buf) != len(buf):
                 raise SessionFileError(where, "file is truncated (in the payload)")
             digest.update(buf)
     if digest.hexdigest() != h.payload_sha256:
         raise SessionFileError(where, "payload checksum mismatch (file corrupted)")
-    return tokens, layers
+    return SessionData(tokens, layers, states)

@@ -14,7 +14,7 @@ import pytest
 from strata.engine.config import EngineConfig
 from strata.engine.engine import Engine
 from strata.engine.types import SamplingParams
-from strata.errors import BadRequest
+from strata.errors import SessionFileError
 from tests.models.tiny_models import save_byte_tokenizer, save_tiny
 
 GREEDY = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True)
@@ -104,8 +104,92 @@ def test_a_damaged_checkpoint_changes_the_answer(folder: str, fresh) -> None:
         assert out.cached_tokens == len(TURN1) - 1 and out.token_ids != fresh(TURN1)
 
 
-def test_session_files_refuse_recurrent_state(folder: str, tmp_path) -> None:
+OTHER = [1, 80, 81, 82, 83, 84, 85, 86, 87]
+
+
+def _damage(states) -> None:
+    """Change one layer's saved state (the negative controls)."""
+    layer = min(states[-1].state)
+    for t in states[-1].state[layer].values():
+        t.mul_(-3.0).add_(1.0)
+
+
+def test_a_parked_conversation_comes_back_with_its_state(folder: str, fresh) -> None:
+    with _engine(folder, prompt_cache=4) as eng:
+        first = eng.complete(TURN1, GREEDY)
+        eng.complete(OTHER, GREEDY)  # one lane: the first chat is parked with its states
+        assert eng.stats()["conversation_parks"] == 1
+        turn2 = TURN1 + first.token_ids + [70, 71, 72]
+        second = eng.complete(turn2, GREEDY)  # its state at the end of the answer: no re-read
+        assert second.cached_tokens == len(TURN1) + len(first.token_ids) - 1
+        assert second.token_ids == fresh(turn2)
+        eng.complete(OTHER, GREEDY)
+        again = eng.complete(TURN1, GREEDY)  # a regenerate: the parked checkpoint before the last token
+        assert again.cached_tokens == len(TURN1) - 1 and again.token_ids == first.token_ids
+        assert eng.stats()["conversation_restores"] == 3  # the second OTHER too
+
+
+def test_a_parked_state_damaged_changes_the_answer(folder: str, fresh) -> None:
+    with _engine(folder, prompt_cache=4) as eng:
+        first = eng.complete(TURN1, GREEDY)
+        eng.complete(OTHER, GREEDY)
+
+        def damage() -> None:
+            cache = eng.conversations
+            assert cache is not None
+            _damage(cache.entry(cache.entry_ids()[0]).states)
+
+        eng.call(damage).result()
+        turn2 = TURN1 + first.token_ids + [70]
+        out = eng.complete(turn2, GREEDY)
+        assert out.cached_tokens > 0 and out.token_ids != fresh(turn2)
+
+
+def test_a_session_file_restores_the_state_and_its_checkpoints(folder: str, fresh, tmp_path) -> None:
+    with _engine(folder, session_dir=str(tmp_path)) as eng:
+        first = eng.complete(TURN1, GREEDY)
+        saved = eng.save_session(0, "chat.bin")
+        assert saved.n_tokens == len(TURN1) + len(first.token_ids) - 1
+    turn2 = TURN1 + first.token_ids + [70, 71]
+    with _engine(folder, session_dir=str(tmp_path)) as eng:
+        eng.restore_session(0, "chat.bin")
+        out = eng.complete(turn2, GREEDY)
+        assert out.cached_tokens == saved.n_tokens and out.token_ids == fresh(turn2)
+    with _engine(folder, session_dir=str(tmp_path)) as eng:
+        eng.restore_session(0, "chat.bin")
+        again = eng.complete(TURN1, GREEDY)  # the file's checkpoint one token before the prompt's end
+        assert again.cached_tokens == len(TURN1) - 1 and again.token_ids == first.token_ids
+
+
+def test_a_session_file_with_a_damaged_state_changes_the_answer(folder: str, fresh, tmp_path) -> None:
+    with _engine(folder, session_dir=str(tmp_path)) as eng:
+        first = eng.complete(TURN1, GREEDY)
+        eng.save_session(0, "chat.bin")
+        loaded = eng.sessions.read("chat.bin")
+        _damage(loaded.states)
+        eng.call(lambda: eng.sessions.install(0, loaded)).result()
+        turn2 = TURN1 + first.token_ids + [70]
+        out = eng.complete(turn2, GREEDY)
+        assert out.cached_tokens > 0 and out.token_ids != fresh(turn2)
+
+
+def test_a_session_file_without_state_is_refused(folder: str, tmp_path) -> None:
+    from strata.engine.snapshot import save_session
+
     with _engine(folder, session_dir=str(tmp_path)) as eng:
         eng.complete(TURN1, GREEDY)
-        with pytest.raises(BadRequest, match="recurrent"):
-            eng.save_session(0, "a.bin")
+        layers = eng.pool.export_range(0, 0, len(TURN1))
+        save_session(tmp_path / "bare.bin", TURN1, layers, model_identity=eng.loaded.identity,
+                     kv_format=eng.pool.fmt.name)
+        with pytest.raises(SessionFileError, match="bare.bin.*no recurrent state"):
+            eng.restore_session(0, "bare.bin")
+        assert eng.complete(TURN1, GREEDY).token_ids  # and the engine keeps serving
+
+
+def test_streamed_kv_answers_as_resident(folder: str, fresh) -> None:
+    with _engine(folder, kv_resident=16, kv_chunk=16) as eng:
+        first = eng.complete(TURN1, GREEDY)
+        turn2 = TURN1 + first.token_ids + [70, 71, 72] + list(range(90, 130))
+        assert first.token_ids == fresh(TURN1)
+        assert eng.complete(turn2, GREEDY).token_ids == fresh(turn2)
+        assert eng.complete(TURN1, GREEDY).token_ids == first.token_ids

@@ -37,6 +37,18 @@ def _forge(eng: Engine, folder: Path, name: str, change) -> None:
                  kv_format=eng.pool.fmt.name)
 
 
+def test_a_file_with_recurrent_state_is_refused_by_a_model_without(setup) -> None:
+    eng, folder = setup
+    tokens, layers = load_session(folder / "good.bin", model_identity=eng.loaded.identity,
+                                  kv_format=eng.pool.fmt.name)
+    save_session(folder / "stateful.bin", tokens, layers, model_identity=eng.loaded.identity,
+                 kv_format=eng.pool.fmt.name, states=[(len(tokens), {"0.ssm": torch.zeros(2, 2)})])
+    before = list(eng.scheduler.lanes[0].tokens)
+    with pytest.raises(SessionFileError, match="stateful.bin.*no recurrent layers"):
+        eng.restore_session(0, "stateful.bin")
+    assert eng.scheduler.lanes[0].tokens == before
+
+
 def _first_run(layers):
     return next(iter(layers[0]))
 

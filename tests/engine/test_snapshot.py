@@ -13,6 +13,7 @@ from strata.engine.snapshot import (
     FORMAT_VERSION,
     load_session,
     peek_session,
+    read_session,
     resolve_session_path,
     save_session,
 )
@@ -199,3 +200,73 @@ def test_plain_names_resolve_inside_the_folder(tmp_path: Path) -> None:
     for name in ("chat-1.bin", "..hidden", "a b"):
         path = resolve_session_path(tmp_path, name)
         assert path.parent == tmp_path.resolve() and path.name == name
+
+
+def states(n_tokens: int) -> list[tuple[int, dict[str, torch.Tensor]]]:
+    """Saved states at two positions, the last at the conversation's end."""
+    g = torch.Generator().manual_seed(5)
+    return [(pos, {"0.conv": torch.randn(6, 3, generator=g), "0.ssm": torch.randn(2, 4, 4, generator=g),
+                   "4.ssm": torch.randn(2, 4, 4, generator=g).to(torch.bfloat16)})
+            for pos in (n_tokens - 1, n_tokens)]
+
+
+def rewrite_header(path: Path, version: int, edit) -> None:
+    """Rewrite a file's header JSON (and its checksum) as `edit` says, with another version."""
+    import json
+    import zlib
+
+    data = path.read_bytes()
+    _, _, hlen = struct.unpack("<8sII", data[:16])
+    header = edit(json.loads(data[16 : 16 + hlen]))
+    blob = json.dumps(header).encode()
+    path.write_bytes(struct.pack("<8sII", b"STRATAKV", version, len(blob)) + blob
+                     + struct.pack("<I", zlib.crc32(blob)) + data[16 + hlen + 4 :])
+
+
+def test_saved_states_round_trip(tmp_path: Path) -> None:
+    path = tmp_path / "recurrent"
+    want = states(17)
+    tokens, kv = save(path, states=want)
+    data = read_session(path, model_identity=IDENTITY, kv_format=FORMAT)
+    assert data.tokens.tolist() == tokens and len(data.layers) == len(kv)
+    assert [pos for pos, _ in data.states] == [16, 17]
+    for (_, w), (_, h) in zip(want, data.states):
+        assert list(h) == list(w) and all(torch.equal(h[k], w[k]) and h[k].dtype == w[k].dtype for k in w)
+    head = peek_session(path)
+    assert head.state_positions == (16, 17) and head.state_runs[2].dtype == "bfloat16"
+
+
+def test_a_damaged_state_fails_the_checksum(tmp_path: Path) -> None:
+    path = tmp_path / "recurrent"
+    save(path, states=states(17))
+    data = bytearray(path.read_bytes())
+    data[-3] ^= 0x40  # the last state's bytes
+    path.write_bytes(bytes(data))
+    refused(path, "payload checksum mismatch")
+
+
+def test_version_1_files_still_load(tmp_path: Path) -> None:
+    path = tmp_path / "old"
+    tokens, kv = save(path)
+    rewrite_header(path, 1, lambda h: {k: v for k, v in h.items() if k != "states"})
+    assert peek_session(path).version == 1
+    got_tokens, got = load(path)
+    assert got_tokens.tolist() == tokens and torch.equal(got[1]["k_q"], kv[1]["k_q"][: len(tokens)])
+    assert read_session(path, model_identity=IDENTITY, kv_format=FORMAT).states == []
+
+
+def test_states_in_a_version_1_file_or_out_of_order_are_refused(tmp_path: Path) -> None:
+    path = tmp_path / "bad"
+    save(path, states=states(17))
+    rewrite_header(path, 1, lambda h: h)
+    refused(path, "version 1 file cannot hold saved states")
+    save(path, states=states(17))
+
+    def backwards(h):
+        h["states"]["positions"] = [17, 16]
+        return h
+
+    rewrite_header(path, FORMAT_VERSION, backwards)
+    refused(path, "not ascending")
+    with pytest.raises(SessionFileError, match="positions must ascend"):
+        save(path, states=states(17)[::-1])
