@@ -156,9 +156,9 @@ class Checkpoints:
         return [(f"{layer}.{name}", t.dtype, tuple(t.shape[1:]))
                 for layer, named in sorted(self.pool.layers.items()) for name, t in sorted(named.items())]
 
-    def cut_points(self, start: int, length: int) -> list[int]:
+    def cut_points(self, start: int, length: int, named: list[int] | None = None) -> list[int]:
         """Where reading a prompt of `length` tokens from `start` stops (module docstring)."""
-        return cut_points(start, length, self.min_step) if self.per_lane > 0 else []
+        return cut_points(start, length, self.min_step, named) if self.per_lane > 0 else []
 
     def swap(self, a: int, b: int) -> None:
         """Conversations moved between lanes: their states (slots, not copies) and checkpoints

@@ -251,6 +251,12 @@ class Engine:
         return self.generate(prompt_ids, params).result()
 
     @property
+    def wants_cut_points(self) -> bool:
+        """Whether requests should name their prompt's cut points (`SamplingParams.cut_points`):
+        a recurrent model checkpoints its state there."""
+        return self.checkpoints is not None and self.config.ctx_checkpoints > 0
+
+    @property
     def alive(self) -> bool:
         """Whether the loop thread is running (health checks read this)."""
         return self._thread.is_alive() and not self._closed

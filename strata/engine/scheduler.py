@@ -222,7 +222,7 @@ class Scheduler:
             self.counters.prefix_reuse_hits += 1
             self.counters.prefix_tokens_reused += m
         req.cursor = req.cached = m
-        req.cuts = cps.cut_points(m, len(req.prompt))
+        req.cuts = cps.cut_points(m, len(req.prompt), req.params.cut_points)
         lane.request = req
         lane.pending = None
         return lane

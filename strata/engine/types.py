@@ -37,6 +37,8 @@ class SamplingParams:
     min_tokens: int = 0  # before this many tokens, stop tokens are masked and stop strings ignored
     logit_bias: dict[int, float] = field(default_factory=dict)  # token id -> added to its logit (-100..100)
     progress: bool = False  # publish PromptProgress events while the prompt is read
+    cut_points: list[int] = field(default_factory=list)  # prompt positions where a recurrent model
+    # checkpoints its state (the chat's message ends, `serve/cut_points.py`)
 
     @property
     def greedy(self) -> bool:

@@ -97,8 +97,9 @@ def _tool_request(req: PromptFields) -> ToolRequest | None:
     return ToolRequest(tools, "required" if choice.type == "any" else choice.type, None, parallel)
 
 
-async def _render(state: ServeState, req: PromptFields) -> tuple[str, list[int], ChatSetup]:
-    """The prompt text and ids, and what the answer's parsing and grammar need."""
+async def _render(state: ServeState, req: PromptFields) -> tuple[str, list[int], ChatSetup, dict[str, Any]]:
+    """The prompt text and ids, what the answer's parsing and grammar need, and the template's
+    arguments."""
     engine = state.ready_engine()
     answering = isinstance(req, MessagesRequest)  # count_tokens only renders
     schema = req.output_format() if answering else None
@@ -109,7 +110,7 @@ async def _render(state: ServeState, req: PromptFields) -> tuple[str, list[int],
     if enable is not None:
         kwargs["enable_thinking"] = enable
     text = await g.render_chat(engine, setup.messages, kwargs, tools=setup.template_tools)
-    return text, await g.encode(engine, text, add_special_tokens=False), setup
+    return text, await g.encode(engine, text, add_special_tokens=False), setup, kwargs
 
 
 def _stop_reason(event: StreamEvent, calls: bool = False) -> tuple[str, str | None]:
@@ -138,7 +139,7 @@ def _usage(gen: g.Generation) -> dict[str, Any]:
 async def count_tokens(request: Request) -> JSONResponse:
     state = serve_state(request)
     req = await read_body(request, CountTokensRequest, UNSUPPORTED_MESSAGES, IGNORED_ANTHROPIC)
-    _, ids, _ = await _render(state, req)
+    _, ids, _, _ = await _render(state, req)
     return JSONResponse({"input_tokens": len(ids)})
 
 
@@ -147,7 +148,7 @@ async def messages(request: Request) -> Response:
     state = serve_state(request)
     req = await read_body(request, MessagesRequest, UNSUPPORTED_MESSAGES, IGNORED_ANTHROPIC)
     request_info(request)["user"] = req.metadata.user_id if req.metadata else None
-    prompt_text, prompt_ids, setup = await _render(state, req)
+    prompt_text, prompt_ids, setup, kwargs = await _render(state, req)
     max_tokens = g.fit_max_tokens(len(prompt_ids), req.max_tokens, state.max_context(), "max_tokens")
     params = g.sampling_params(
         max_tokens=max_tokens,
@@ -157,6 +158,8 @@ async def messages(request: Request) -> Response:
         stop=req.stop_sequences,
         grammar=setup.grammar,
     )
+    params.cut_points = await g.cut_points(state.ready_engine(), setup.messages, kwargs, setup.template_tools,
+                                           prompt_text, prompt_ids)
     opens = prompt_opens_thinking(prompt_text)
     budget = req.thinking.budget_tokens if isinstance(req.thinking, ThinkingEnabled) else None
     gen = g.Generation.for_request(request, state, prompt_ids, params, starts_in_thinking=opens,

@@ -22,6 +22,7 @@ from starlette.requests import Request
 
 from strata.engine.types import FinishReason, SamplingParams, StreamEvent, TokenLogprob
 from strata.errors import StrataError
+from strata.serve.cut_points import message_cut_points
 from strata.serve.errors import ApiError, from_strata_error, sse_error_payload
 from strata.serve.metrics import ServeMetrics
 from strata.serve.reasoning import CLOSE_TAG, ThinkSplitter
@@ -71,6 +72,16 @@ async def render_chat(
         raise as_api_error(exc) from None
     except TypeError as exc:  # chat_template_kwargs naming one of the template's own arguments
         raise ApiError(400, f"chat_template_kwargs not accepted: {exc}", param="chat_template_kwargs") from None
+
+
+async def cut_points(engine: Any, messages: list[dict[str, Any]], template_kwargs: dict[str, Any],
+                     tools: list[dict[str, Any]] | None, prompt_text: str, prompt_ids: list[int]) -> list[int]:
+    """The chat's message ends in the prompt, for an engine that checkpoints there (a recurrent
+    model's); none for any other."""
+    if not getattr(engine, "wants_cut_points", False):
+        return []
+    return await run_in_threadpool(message_cut_points, tokenizer_of(engine), messages, template_kwargs,
+                                   tools, prompt_text, prompt_ids)
 
 
 async def encode(engine: Any, text: str, *, add_special_tokens: bool) -> list[int]:

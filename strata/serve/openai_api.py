@@ -182,6 +182,7 @@ async def chat_completions(request: Request) -> Response:
     max_tokens = g.fit_max_tokens(len(prompt_ids), req.wanted_max_tokens(), state.max_context(), field)
     top = req.top_logprobs or 0
     params = _params(req, max_tokens, req.wanted_logprobs(), setup.grammar)
+    params.cut_points = await g.cut_points(engine, setup.messages, kwargs, setup.template_tools, prompt_text, prompt_ids)
     gen = g.Generation.for_request(request, state, prompt_ids, params)
     splitter = ThinkSplitter(prompt_opens_thinking(prompt_text))
     await g.start(request, gen, stream=req.stream)

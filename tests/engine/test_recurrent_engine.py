@@ -78,6 +78,20 @@ def test_an_edit_resumes_from_the_latest_checkpoint_before_it(folder: str, fresh
         assert out.cached_tokens == 16 and out.token_ids == fresh(edited)
 
 
+def test_a_named_cut_point_serves_an_edit_after_it(folder: str, fresh) -> None:
+    """The server names the chat's message ends (`SamplingParams.cut_points`): the first user
+    message starts at len(SYSTEM), so an edit of it resumes there."""
+    named = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True, cut_points=[len(SYSTEM)])
+    with _engine(folder) as eng:
+        eng.complete(TURN1, named)
+        edited = SYSTEM + [99, 98, 97, 70]
+        out = eng.complete(edited, GREEDY)
+        assert out.cached_tokens == len(SYSTEM) and out.token_ids == fresh(edited)
+        assert eng.wants_cut_points
+    with _engine(folder, ctx_checkpoints=0) as eng:
+        assert not eng.wants_cut_points
+
+
 def test_a_cancelled_answer_then_its_repeat(folder: str, fresh) -> None:
     with _engine(folder) as eng:
         h = eng.generate(TURN1, SamplingParams(max_tokens=60, temperature=0.0, ignore_eos=True))

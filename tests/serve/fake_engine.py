@@ -245,6 +245,7 @@ class FakeEngine:
         self.session_error: Exception | None = None
         self.session_calls: list[tuple[str, int, str]] = []
         self.conversation_cache: dict[str, int] | None = None
+        self.wants_cut_points = False  # a recurrent model's engine: requests name their message ends
         self.prefix_reuse_hits = 0
         self.refusals = 0
         self.truncations = 0

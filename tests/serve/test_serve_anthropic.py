@@ -6,7 +6,6 @@ import json
 
 import anthropic
 import httpx
-
 from fake_engine import FakeEngine
 
 USER = [{"role": "user", "content": "hi"}]
@@ -165,3 +164,13 @@ def test_truncated_message(http: httpx.Client, engine: FakeEngine) -> None:
 def test_count_tokens(claude: anthropic.Anthropic) -> None:
     r = claude.messages.count_tokens(model="m", messages=USER, system="s")
     assert r.input_tokens == len("<|system|>s\n<|user|>hi\n<|assistant|>")
+
+
+def test_messages_name_their_message_ends_to_an_engine_that_checkpoints(claude: anthropic.Anthropic,
+                                                                         engine: FakeEngine) -> None:
+    engine.wants_cut_points = True
+    claude.messages.create(model="m", max_tokens=2, system="Be brief.",
+                           messages=[{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello"},
+                                     {"role": "user", "content": "Bye"}])
+    cuts = engine.calls[-1][1].cut_points
+    assert cuts[0] == len("<|system|>Be brief.\n") and len(cuts) == 3

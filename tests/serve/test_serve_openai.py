@@ -6,7 +6,6 @@ import json
 
 import httpx
 import openai
-
 from fake_engine import FakeEngine
 
 USER = [{"role": "user", "content": "hi"}]
@@ -187,3 +186,14 @@ def test_models_list_and_retrieve(oai: openai.OpenAI) -> None:
     models = oai.models.list()
     assert [m.id for m in models.data] == ["fake-model"]
     assert oai.models.retrieve("fake-model").id == "fake-model"
+
+
+def test_chat_names_its_message_ends_to_an_engine_that_checkpoints(oai: openai.OpenAI, engine: FakeEngine) -> None:
+    msgs = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"},
+            {"role": "assistant", "content": "Hello"}, {"role": "user", "content": "Bye"}]
+    oai.chat.completions.create(model="m", messages=msgs, max_tokens=2)
+    assert engine.calls[-1][1].cut_points == []  # a dense model's engine asks for none
+    engine.wants_cut_points = True
+    oai.chat.completions.create(model="m", messages=msgs, max_tokens=2)
+    ends = ["<|system|>Be brief.\n", "<|user|>Hi\n", "<|assistant|>Hello\n"]
+    assert engine.calls[-1][1].cut_points == [len("".join(ends[:k])) for k in (1, 2, 3)]
