@@ -48,7 +48,6 @@ def test_a_prompt_the_template_did_not_render_has_no_cuts(smol) -> None:
 def test_a_long_chat_keeps_the_root_and_the_last_ends(smol) -> None:
     chat = [CHAT[0]] + [{"role": "user" if i % 2 == 0 else "assistant", "content": f"turn {i}"}
                         for i in range(40)]
-    prompt = _ids(smol, chat, True)
     cuts = cuts_of(smol, chat)
     assert len(cuts) == MAX_CUTS and cuts[0] == len(_ids(smol, chat[:1], False))
     assert cuts[-1] == len(_ids(smol, chat[:-1], False))
