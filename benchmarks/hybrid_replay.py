@@ -3,8 +3,10 @@
 Two chats of four turns share a system prompt; then the last answer of chat
 A is regenerated and its second user message edited. Every request is timed
 to its first token twice: with checkpoints (`--ctx-checkpoints`,
-`--prompt-cache-min-step`) and with nothing reused (every prompt from token
-0). The model is a Qwen3-Next-shaped one with random weights (transformers
+`--prompt-cache-min-step`, `--prompt-cache 4` to park the chat that gives
+its lane up) and with nothing reused (every prompt from token 0). Requests
+name their message ends as cut points, as the server does
+(`serve/cut_points.py`). The model is a Qwen3-Next-shaped one with random weights (transformers
 builds it; a byte tokenizer), so the figures are the engine's, not a
 checkpoint's.
 
@@ -69,17 +71,21 @@ def replay(eng: Engine, system: list[int], steps: list[tuple[str, list[int] | No
            ) -> list[dict[str, Any]]:
     """Time every request of the workload to its first token; answers extend their chats."""
     chats: dict[str, list[int]] = {"A": list(system), "B": list(system)}
+    ends: dict[str, list[int]] = {"A": [len(system)], "B": [len(system)]}  # each message's end
     last: dict[str, list[int]] = {}
     first_turn_a: list[int] = []  # A's first message and answer: what the edit keeps
     rows = []
-    params = SamplingParams(max_tokens=ANSWER, temperature=0.0, ignore_eos=True)
     for name, message, chat in steps:
         if message is None:  # the same prompt again
             prompt = last[chat]  # type: ignore[index]
+            cuts = ends[chat][:-1]  # type: ignore[index]
         elif chat == "A-edit":  # A's second message replaced
             prompt = list(system) + first_turn_a + message
+            cuts = ends["A"][:3]
         else:
             prompt = chats[chat] + message  # type: ignore[index]
+            cuts = ends[chat]  # type: ignore[index]
+        params = SamplingParams(max_tokens=ANSWER, temperature=0.0, ignore_eos=True, cut_points=list(cuts))
         started = time.perf_counter()
         h = eng.generate(prompt, params)
         ttft, events = None, []
@@ -92,6 +98,7 @@ def replay(eng: Engine, system: list[int], steps: list[tuple[str, list[int] | No
             if chat == "A" and not first_turn_a:
                 first_turn_a = message + done.token_ids
             chats[chat] = prompt + done.token_ids  # type: ignore[index]
+            ends[chat] += [len(prompt), len(chats[chat])]  # type: ignore[index]
             last[chat] = prompt  # type: ignore[index]
         rows.append({"request": name, "prompt_tokens": len(prompt), "cached_tokens": done.cached_tokens,
                      "ttft_s": round(ttft or 0.0, 4), "answer": done.token_ids})
@@ -114,7 +121,7 @@ def main(argv: list[str] | None = None) -> int:
         write_model(Path(tmp), args.hidden, args.layers)
         runs = {}
         for label, flags in (("from_zero", dict(prefix_reuse=False, ctx_checkpoints=0)),
-                             ("checkpoints", dict(prompt_cache_min_step=args.min_step))):
+                             ("checkpoints", dict(prompt_cache_min_step=args.min_step, prompt_cache=4))):
             cfg = EngineConfig(model=tmp, device=args.device, dtype="float32", weights="dense", parallel=2,
                                max_context=args.system + 8 * (args.message + ANSWER) + 64,
                                prefill_chunk=args.prefill_chunk, **flags)

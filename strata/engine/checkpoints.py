@@ -16,7 +16,9 @@ end of the last answer) is kept too.
 
 A checkpoint at position p stays valid while the lane keeps its first p
 tokens: cutting the lane back drops the ones past the cut. A lane keeps at
-most N, dropping the least recently used first.
+most N: a full lane gives up the checkpoint closest to the one before it
+(`to_drop`: an edit past it then re-reads the fewest tokens more), so the
+checkpoints stay spread over the chat instead of crowding at its end.
 
 A conversation that leaves its lane takes its checkpoints along, with one
 more of the state at its full length (`snapshot`): the conversation cache
@@ -69,6 +71,14 @@ def cut_points(start: int, length: int, min_step: int, named: list[int] | None =
     return sorted(c for c in cuts if start < c < length)
 
 
+def to_drop(held: list[Checkpoint], newest: int) -> Checkpoint:
+    """The checkpoint a full lane gives up: the one nearest the checkpoint before it (or position
+    0), never the one at `newest` just saved; ties go to the least recently used."""
+    ordered = sorted(held, key=lambda c: c.position)
+    gaps = {id(c): c.position - (ordered[i - 1].position if i else 0) for i, c in enumerate(ordered)}
+    return min((c for c in ordered if c.position != newest), key=lambda c: (gaps[id(c)], c.used))
+
+
 @dataclass
 class Checkpoints:
     """Every lane's checkpoints, beside the state pool whose slots they copy."""
@@ -98,7 +108,7 @@ class Checkpoints:
         state = self.pool.export(lane)
         held.append(Checkpoint(position, state, self.pool.bytes_per_lane(), self._now()))
         while len(held) > self.per_lane:
-            held.remove(min(held, key=lambda c: c.used))
+            held.remove(to_drop(held, position))
             self.stats.dropped += 1
         self.lanes[lane] = sorted(held, key=lambda c: c.position)
         self.stats.saves += 1
@@ -144,7 +154,7 @@ class Checkpoints:
             raise ValueError(f"no saved state at position {position}")
         self.pool.load(lane, state.state)
         before = [c for c in states if c.position <= position]
-        self.lanes[lane] = before[len(before) - self.per_lane:] if self.per_lane > 0 else []
+        self.lanes[lane] = before[max(0, len(before) - self.per_lane):] if self.per_lane > 0 else []
         state.used = self._now()
         self.stats.restores += 1
         self.stats.tokens_reused += position

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from strata.engine.checkpoints import Checkpoints, cut_points
@@ -45,16 +46,19 @@ def test_save_best_resume_and_cut() -> None:
     assert cps.stats.restores == 1 and cps.stats.tokens_reused == 4
 
 
-def test_per_lane_limit_drops_the_least_recently_used() -> None:
+def test_a_full_lane_drops_the_checkpoint_nearest_the_one_before_it() -> None:
     pool = StatePool(SHAPES, 1, "cpu")
-    cps = Checkpoints(pool, per_lane=2)
-    cps.save(0, 3)
-    cps.save(0, 6)
-    cps.resume(0, 6)  # 3 was saved longer ago and not used since
-    cps.save(0, 6)
-    cps.save(0, 8)
-    assert [c.position for c in cps.lanes[0]] == [6, 8] and cps.stats.dropped == 1
-    assert cps.stats.held == 2 and cps.stats.bytes == 2 * pool.bytes_per_lane()
+    cps = Checkpoints(pool, per_lane=3)
+    for pos in (100, 200, 210, 400):
+        cps.save(0, pos)
+    assert [c.position for c in cps.lanes[0]] == [100, 200, 400] and cps.stats.dropped == 1
+    cps.save(0, 402)  # the newest stays even where it is nearest: 100 and 200 tie, 100 is older
+    assert [c.position for c in cps.lanes[0]] == [200, 400, 402]
+    cps.resume(0, 200)  # the lane is cut back to 200: 400 and 402 go
+    for pos in (300, 500, 510):
+        cps.save(0, pos)
+    assert [c.position for c in cps.lanes[0]] == [200, 500, 510] and cps.stats.dropped == 5
+    assert cps.stats.held == 3 and cps.stats.bytes == 3 * pool.bytes_per_lane()
 
 
 def test_swap_moves_state_and_checkpoints_without_copies() -> None:
@@ -79,3 +83,23 @@ def test_step_states_start_fresh_at_position_zero() -> None:
     step.save(0, {"conv": torch.full((2, 3, 2), 3.0), "ssm": torch.full((2, 2, 2, 2), 4.0)})
     assert bool((pool.layers[0]["ssm"][2] == 4.0).all()) and bool((pool.layers[0]["conv"][0] == 3.0).all())
     assert bool((pool.layers[2]["ssm"][2] == 2.0).all())  # a layer not saved keeps its state
+
+
+def test_a_snapshot_installs_into_another_lane_with_its_checkpoints() -> None:
+    pool = StatePool(SHAPES, 2, "cpu")
+    cps = Checkpoints(pool, per_lane=4)  # room for more than the three
+    for pos, value in ((3, 1.0), (6, 2.0)):
+        _fill(pool, 0, value)
+        cps.save(0, pos)
+    _fill(pool, 0, 7.0)
+    states = cps.snapshot(0, 9)  # the two checkpoints and the state at the full length
+    assert [c.position for c in states] == [3, 6, 9]
+    cps.install(1, states, 9)
+    assert _value(pool, 1) == {7.0} and [c.position for c in cps.lanes[1]] == [3, 6, 9]
+    cps.install(1, states, 6)  # a regenerate of a parked chat: the checkpoint before its end
+    assert _value(pool, 1) == {2.0} and [c.position for c in cps.lanes[1]] == [3, 6]
+    few = Checkpoints(pool, per_lane=2)
+    few.install(1, states, 9)
+    assert [c.position for c in few.lanes[1]] == [6, 9]
+    with pytest.raises(ValueError, match="no saved state at position 5"):
+        cps.install(1, states, 5)
