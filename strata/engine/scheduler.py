@@ -95,7 +95,7 @@ class Scheduler:
         free = self.free_lanes()
         best, best_m = None, 0
         for lane in free if self.prefix_reuse else []:
-            m = min(common_prefix(lane.tokens, prompt), len(prompt) - 1)
+            m = self._usable(lane, min(common_prefix(lane.tokens, prompt), len(prompt) - 1))
             if m > best_m:
                 best, best_m = lane, m
         if best is not None:
@@ -104,6 +104,14 @@ class Scheduler:
         if empty:
             return empty[0], 0
         return min(free, key=lambda lane: lane.last_used), 0
+
+    def _usable(self, lane: Lane, shared: int) -> int:
+        """How much of a lane's conversation sharing `shared` tokens with a prompt can be kept: all
+        of them, except with a recurrent model's state, which resumes only from the lane's whole
+        conversation or a checkpoint."""
+        if self.checkpoints is None or shared == len(lane.tokens):
+            return shared
+        return self.checkpoints.best(lane.index, shared)
 
     def reserve_for(self, lane: Lane, n_tokens: int) -> bool:
         """Reserve chunks for `lane` to hold `n_tokens`, evicting idle lanes' caches if needed."""
