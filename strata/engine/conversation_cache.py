@@ -20,6 +20,8 @@ Policy, in one place:
 - A recurrent model's conversation carries its saved states (`checkpoints.py`:
   its checkpoints and its state at full length). They are counted in the
   entry's bytes and go back to a lane with it; the reuse image keeps K/V only.
+  Under pressure the checkpoints go first (least recently used entry first),
+  before any entry is evicted; an entry keeps its state at full length.
 
 The engine owns capturing and restoring K/V; this module only keeps tensors.
 It is driven from the engine loop and is not thread-safe.
@@ -199,6 +201,7 @@ class CacheStats:
     evictions: int
     superseded: int
     reuse_drops: int
+    shed_checkpoints: int
 
     def as_dict(self) -> dict[str, int]:
         return asdict(self)
@@ -221,6 +224,7 @@ class ConversationCache:
         self.hits = self.misses = self.restores = 0
         self.incremental_parks = self.full_parks = self.skipped_parks = 0
         self.evictions = self.superseded = self.reuse_drops = 0
+        self.shed_checkpoints = 0  # entries whose checkpoints went to make room
 
     # ----- figures -----
     def bytes(self) -> int:
@@ -247,7 +251,7 @@ class ConversationCache:
         return CacheStats(
             len(self._entries), self.bytes(), self.budget_bytes, self.slots, reuse, self.hits,
             self.misses, self.restores, self.incremental_parks, self.full_parks, self.skipped_parks,
-            self.evictions, self.superseded, self.reuse_drops)
+            self.evictions, self.superseded, self.reuse_drops, self.shed_checkpoints)
 
     # ----- finding and restoring -----
     def lookup(self, tokens: Tokens) -> tuple[int, int] | None:
@@ -331,6 +335,14 @@ class ConversationCache:
             return False
         if self._reuse is not None and self.bytes() > limit:
             self.drop_reuse()
+        for entry in list(self._entries.values()):
+            if self.bytes() <= limit:  # (checkpoints free bytes, not slots)
+                break
+            if len(entry.states) > 1:  # keep the state at the end: the conversation's own
+                shed = states_bytes(entry.states[:-1])
+                entry.states = entry.states[-1:]
+                self._bytes -= shed
+                self.shed_checkpoints += 1
         while self._entries and (len(self._entries) >= self.slots or self.bytes() > limit):
             _, entry = self._entries.popitem(last=False)
             self._bytes -= entry.nbytes()

@@ -359,3 +359,26 @@ def test_random_sequences_keep_the_accounting_and_the_kv_right(
             assert kv_matches(e.tokens.tolist(), e.kv)
         if image is not None:
             assert kv_matches(image.tokens.tolist(), image.kv)
+
+
+def test_checkpoints_go_before_any_entry(tmp_path) -> None:
+    """A recurrent model's entries: under pressure their checkpoints are shed, oldest entry
+    first, and only then are entries evicted; each keeps its state at its end."""
+    from strata.engine.checkpoints import Checkpoint
+
+    def states(n: int) -> list[Checkpoint]:
+        return [Checkpoint(p, {}, 100, 0) for p in (n - 2, n - 1, n)]
+
+    a, b, c = conv(1, 6), conv(2, 6), conv(3, 6)
+    entry = 6 * ENTRY_PER_TOKEN + 300
+    cache = ConversationCache(budget_bytes=2 * entry + 6 * ENTRY_PER_TOKEN + 100, slots=8)
+    ea = cache.park(a, Capture(a), BPT, states=states(6))
+    eb = cache.park(b, Capture(b), BPT, states=states(6))
+    assert cache.bytes() == 2 * entry
+    ec = cache.park(c, Capture(c), BPT, states=states(6))  # a's checkpoints make the room
+    assert len(cache) == 3 and cache.evictions == 0 and cache.shed_checkpoints == 1
+    assert [s.position for s in cache.entry(ea).states] == [6]
+    assert len(cache.entry(eb).states) == 3 and len(cache.entry(ec).states) == 3
+    assert cache.bytes() == 2 * entry + 6 * ENTRY_PER_TOKEN + 100 and cache.stats().shed_checkpoints == 1
+    cache.park(conv(4, 6), Capture(conv(4, 6)), BPT, states=states(6))  # now entries must go too
+    assert cache.evictions >= 1 and ea not in cache.entry_ids()
