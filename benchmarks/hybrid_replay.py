@@ -11,6 +11,12 @@ builds it; a byte tokenizer), so the figures are the engine's, not a
 checkpoint's.
 
     python -m benchmarks.hybrid_replay [--system 2048] [--hidden 512] [--layers 8] [--device cpu]
+        [--gguf] [--llama-server PATH]
+
+With --llama-server the model is written as a GGUF (as llama.cpp's converter
+writes qwen3next), both engines load that file, and llama-server replays the
+same requests through its /completion route (streamed, `cache_prompt`),
+with `--ctx-checkpoints 8` against `--ctx-checkpoints 0` and no prompt cache.
 """
 
 from __future__ import annotations
@@ -21,7 +27,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import torch
 
@@ -29,6 +35,8 @@ from strata.engine.config import EngineConfig
 from strata.engine.engine import Engine
 from strata.engine.request import merge_events
 from strata.engine.types import SamplingParams
+from benchmarks.llama_server import LlamaServer
+from tests.models.gguf_export import export_gguf
 from tests.models.tiny_models import save_byte_tokenizer
 
 ANSWER = 16
@@ -67,7 +75,27 @@ def workload(system: int, message: int) -> list[tuple[str, list[int] | None, str
     return steps
 
 
-def replay(eng: Engine, system: list[int], steps: list[tuple[str, list[int] | None, str | None]],
+Send = Callable[[list[int], list[int]], tuple[float, int, list[int]]]  # (ttft s, cached, answer)
+
+
+def engine_sender(eng: Engine) -> Send:
+    """Requests to an engine in this process, timed to their first token."""
+
+    def send(prompt: list[int], cuts: list[int]) -> tuple[float, int, list[int]]:
+        params = SamplingParams(max_tokens=ANSWER, temperature=0.0, ignore_eos=True, cut_points=list(cuts))
+        started = time.perf_counter()
+        ttft, events = None, []
+        for ev in eng.generate(prompt, params):
+            if ttft is None and ev.token_ids:
+                ttft = time.perf_counter() - started
+            events.append(ev)
+        done = merge_events(events)
+        return ttft or 0.0, done.cached_tokens, done.token_ids
+
+    return send
+
+
+def replay(send: Send, system: list[int], steps: list[tuple[str, list[int] | None, str | None]],
            ) -> list[dict[str, Any]]:
     """Time every request of the workload to its first token; answers extend their chats."""
     chats: dict[str, list[int]] = {"A": list(system), "B": list(system)}
@@ -85,24 +113,28 @@ def replay(eng: Engine, system: list[int], steps: list[tuple[str, list[int] | No
         else:
             prompt = chats[chat] + message  # type: ignore[index]
             cuts = ends[chat]  # type: ignore[index]
-        params = SamplingParams(max_tokens=ANSWER, temperature=0.0, ignore_eos=True, cut_points=list(cuts))
-        started = time.perf_counter()
-        h = eng.generate(prompt, params)
-        ttft, events = None, []
-        for ev in h:
-            if ttft is None and ev.token_ids:
-                ttft = time.perf_counter() - started
-            events.append(ev)
-        done = merge_events(events)
+        ttft, cached, answer = send(prompt, cuts)
         if chat in chats and message is not None:
             if chat == "A" and not first_turn_a:
-                first_turn_a = message + done.token_ids
-            chats[chat] = prompt + done.token_ids  # type: ignore[index]
+                first_turn_a = message + answer
+            chats[chat] = prompt + answer  # type: ignore[index]
             ends[chat] += [len(prompt), len(chats[chat])]  # type: ignore[index]
             last[chat] = prompt  # type: ignore[index]
-        rows.append({"request": name, "prompt_tokens": len(prompt), "cached_tokens": done.cached_tokens,
-                     "ttft_s": round(ttft or 0.0, 4), "answer": done.token_ids})
+        rows.append({"request": name, "prompt_tokens": len(prompt), "cached_tokens": cached,
+                     "ttft_s": round(ttft, 4), "answer": answer})
     return rows
+
+
+def compare(zero: list[dict[str, Any]], cp: list[dict[str, Any]]) -> dict[str, Any]:
+    """Per request: the run with reuse against the one without, and the summary ratios."""
+    rows = []
+    for z, c in zip(zero, cp):
+        rows.append({"request": z["request"], "prompt_tokens": z["prompt_tokens"],
+                     "cached_tokens": c["cached_tokens"], "ttft_from_zero_s": z["ttft_s"],
+                     "ttft_checkpoints_s": c["ttft_s"], "ratio": round(c["ttft_s"] / z["ttft_s"], 4),
+                     "same_answer": z["answer"] == c["answer"]})
+    later = [r["ratio"] for r in rows if r["request"] not in ("A1", "B1")]
+    return {"requests": rows, "first_read_ratio": rows[0]["ratio"], "later_turns_max_ratio": max(later)}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -114,31 +146,43 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--device", default="cpu")
     p.add_argument("--min-step", type=int, default=512, help="--prompt-cache-min-step of the run with checkpoints")
     p.add_argument("--prefill-chunk", type=int, default=512)
+    p.add_argument("--gguf", action="store_true", help="load the model as a GGUF (written from the HF folder)")
+    p.add_argument("--llama-server", metavar="PATH",
+                   help="also replay through this llama-server on the same GGUF (--ctx-checkpoints 8 "
+                        "against 0); its TTFT ratios beside Strata's")
     args = p.parse_args(argv)
     steps = workload(args.system, args.message)
     system = torch.randint(3, 255, (args.system,), generator=torch.Generator().manual_seed(2)).tolist()
     with tempfile.TemporaryDirectory() as tmp:
         write_model(Path(tmp), args.hidden, args.layers)
+        model = tmp
+        if args.gguf or args.llama_server:
+            model = str(Path(tmp) / "model.gguf")
+            export_gguf(tmp, model)
+        max_context = args.system + 8 * (args.message + ANSWER) + 64
         runs = {}
         for label, flags in (("from_zero", dict(prefix_reuse=False, ctx_checkpoints=0)),
                              ("checkpoints", dict(prompt_cache_min_step=args.min_step, prompt_cache=4))):
-            cfg = EngineConfig(model=tmp, device=args.device, dtype="float32", weights="dense", parallel=2,
-                               max_context=args.system + 8 * (args.message + ANSWER) + 64,
-                               prefill_chunk=args.prefill_chunk, **flags)
+            cfg = EngineConfig(model=model, device=args.device, dtype="float32", weights="dense", parallel=2,
+                               max_context=max_context, prefill_chunk=args.prefill_chunk, **flags)
             with Engine(cfg) as eng:
-                runs[label] = replay(eng, system, steps)
+                runs[label] = replay(engine_sender(eng), system, steps)
                 runs[label + "_checkpoints"] = eng.stats()["checkpoints"]
-    rows = []
-    for zero, cp in zip(runs["from_zero"], runs["checkpoints"]):
-        rows.append({"request": zero["request"], "prompt_tokens": zero["prompt_tokens"],
-                     "cached_tokens": cp["cached_tokens"], "ttft_from_zero_s": zero["ttft_s"],
-                     "ttft_checkpoints_s": cp["ttft_s"], "ratio": round(cp["ttft_s"] / zero["ttft_s"], 4),
-                     "same_answer": zero["answer"] == cp["answer"]})
-    later = [r["ratio"] for r in rows if r["request"] not in ("A1", "B1")]
-    out = {"device": args.device, "hidden": args.hidden, "layers": args.layers, "system_tokens": args.system,
-           "min_step": args.min_step, "requests": rows,
-           "first_read_ratio": rows[0]["ratio"], "later_turns_max_ratio": max(later),
-           "checkpoints": runs["checkpoints_checkpoints"]}
+        out: dict[str, Any] = {"device": args.device, "hidden": args.hidden, "layers": args.layers,
+                               "system_tokens": args.system, "min_step": args.min_step, "model": Path(model).name,
+                               "strata": compare(runs["from_zero"], runs["checkpoints"]),
+                               "checkpoints": runs["checkpoints_checkpoints"]}
+        if args.llama_server:
+            llama = {}
+            for label, extra, cache in (("from_zero", ["--ctx-checkpoints", "0"], False),
+                                        ("checkpoints", ["--ctx-checkpoints", "8"], True)):
+                with LlamaServer(args.llama_server, model, max_context, extra) as server:
+                    llama[label] = replay(server.sender(ANSWER, cache), system, steps)
+                    llama["command"] = server.command
+            out["llama_cpp"] = {"command": llama["command"], **compare(llama["from_zero"], llama["checkpoints"])}
+            out["strata_vs_llama_ttft"] = {
+                r["request"]: round(q["ttft_checkpoints_s"] / r["ttft_checkpoints_s"], 3)
+                for r, q in zip(out["strata"]["requests"], out["llama_cpp"]["requests"])}
     json.dump(out, sys.stdout, indent=1)
     print()
     return 0
