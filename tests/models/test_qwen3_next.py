@@ -1,0 +1,148 @@
+"""Qwen3-Next against transformers: from a folder and from a GGUF file, whole and in parts.
+
+The tiny models (`tiny_models.py`) have three gated DeltaNet layers and one
+gated-attention layer, value heads twice the key heads and key and value head
+sizes apart (8 and 12), so a swapped head, a mixed-up q/k/v/z row or a
+forgotten transform shows in the logits. LONG (40 tokens) is read in one
+piece or in parts, the recurrent state carried between the parts through the
+test StateContext (`dense_context.DenseStates`), then decoded one token a
+step (the recurrent form of the delta rule).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from dense_context import DenseContext, DenseStates, greedy, prompt_logits, run
+from tiny_models import PROMPT, hf_greedy, hf_logits, save_tiny
+from transformers.models.qwen3_next.modeling_qwen3_next import torch_recurrent_gated_delta_rule
+
+from strata.models import load_model
+from strata.models.deltanet import chunk_gated_delta_rule, recurrent_gated_delta_rule
+from strata.models.loader import LoadedModel
+
+LONG = PROMPT + [9, 250, 31, 77, 77, 140, 2, 18, 199, 60, 5, 43, 222, 101, 36, 88, 170, 11, 64, 3]
+NEW = 8
+KINDS = ["qwen3_next", "qwen3_next_dense"]
+TOL = dict(atol=1e-4, rtol=1e-4)
+
+
+@pytest.fixture(scope="module", params=KINDS)
+def tiny(request, tmp_path_factory) -> tuple[str, torch.nn.Module, LoadedModel]:
+    """(kind, the transformers model, Strata's load of its saved folder), in float32."""
+    path = tmp_path_factory.mktemp(request.param)
+    hf = save_tiny(request.param, path)
+    return request.param, hf, load_model(str(path), device="cpu", dtype="float32", progress=False)
+
+
+@pytest.fixture(scope="module")
+def reference(tiny) -> tuple[torch.Tensor, list[int]]:
+    """transformers' logits over LONG and its NEW greedy tokens after it."""
+    _, hf, _ = tiny
+    return hf_logits(hf, LONG), hf_greedy(hf, LONG, NEW)
+
+
+@torch.inference_mode()
+def parts_logits(loaded: LoadedModel, ids: list[int], cuts: list[int],
+                 zero_layer: int | None = None) -> torch.Tensor:
+    """Logits of `ids` read in steps ending at `cuts`, the state carried between them; with
+    `zero_layer`, that layer's state is dropped before every part after the first."""
+    ctx = DenseContext(loaded.config)
+    states = DenseStates(loaded.model.state_layers(), loaded.device)
+    out, start = [], 0
+    for end in cuts:
+        if zero_layer is not None:
+            states.zero("0", zero_layer)
+        out.append(loaded.model.compute_logits(run(loaded.model, ids[start:end], start, ctx, states)))
+        start = end
+    return torch.cat(out)
+
+
+def test_config_reads_the_linear_layers(tiny) -> None:
+    kind, _, loaded = tiny
+    cfg = loaded.config
+    assert cfg.arch == "qwen3next" and cfg.layer_types == ("linear_attention",) * 3 + ("full_attention",)
+    assert (cfg.linear_num_key_heads, cfg.linear_num_value_heads) == (2, 4)
+    assert (cfg.linear_key_head_dim, cfg.linear_value_head_dim, cfg.linear_conv_kernel) == (8, 12, 4)
+    assert (cfg.head_dim, cfg.rope_dim) == (16, 4) and cfg.attn_output_gate
+    assert (cfg.num_experts, cfg.shared_expert_ffn) == ((4, 48) if kind == "qwen3_next" else (0, 0))
+    assert set(loaded.model.state_layers()) == {0, 1, 2}
+
+
+def test_logits_and_greedy_match_transformers(tiny, reference) -> None:
+    _, _, loaded = tiny
+    ref_logits, ref_tokens = reference
+    torch.testing.assert_close(prompt_logits(loaded, LONG), ref_logits, **TOL)
+    assert greedy(loaded, LONG, NEW) == ref_tokens
+
+
+@pytest.mark.parametrize("cuts", [[13, 40], [1, 2, 9, 10, 33, 40], [39, 40]],
+                         ids=["two", "ragged", "last-token"])
+def test_prompt_in_parts_matches_the_whole(tiny, reference, cuts: list[int]) -> None:
+    """Parts of any length (one token included) continue the state exactly as one read does."""
+    _, _, loaded = tiny
+    whole = prompt_logits(loaded, LONG)
+    parts = parts_logits(loaded, LONG, cuts)
+    torch.testing.assert_close(parts, whole, **TOL)
+    torch.testing.assert_close(parts, reference[0], **TOL)
+
+
+@pytest.mark.parametrize("layer", [0, 2])
+def test_a_dropped_state_shows(tiny, reference, layer: int) -> None:
+    """The negative control: one layer's state zeroed between parts changes the logits after the
+    cut far beyond the tolerance, and nothing before it."""
+    _, _, loaded = tiny
+    cut = 13
+    dropped = parts_logits(loaded, LONG, [cut, 40], zero_layer=layer)
+    torch.testing.assert_close(dropped[:cut], reference[0][:cut], **TOL)
+    assert (dropped[cut:] - reference[0][cut:]).abs().amax() > 0.05
+
+
+@torch.inference_mode()
+def test_decode_steps_match_reading_the_tokens_at_once(tiny, reference) -> None:
+    """Logits of the decoded tokens (one a step: the recurrent form) equal those of the prompt
+    and the same tokens read as one prompt (the chunked form)."""
+    _, _, loaded = tiny
+    tokens = reference[1]
+    ids = LONG + tokens
+    stepped = parts_logits(loaded, ids, list(range(len(LONG), len(ids) + 1)))
+    torch.testing.assert_close(stepped, prompt_logits(loaded, ids), **TOL)
+
+
+def _random_rule_inputs(b: int, t: int, seed: int = 0) -> tuple[torch.Tensor, ...]:
+    """q, k [B, T, 2, 8]; v [B, T, 4, 12]; g (log decay) and beta [B, T, 4]; a state [B, 4, 8, 12]."""
+    gen = torch.Generator().manual_seed(seed)
+    q, k = (torch.randn(b, t, 2, 8, generator=gen) for _ in range(2))
+    v = torch.randn(b, t, 4, 12, generator=gen)
+    g = -torch.rand(b, t, 4, generator=gen) * 2  # decays between exp(-2) and 1
+    beta = torch.rand(b, t, 4, generator=gen)
+    state = torch.randn(b, 4, 8, 12, generator=gen)
+    return q, k, v, g, beta, state
+
+
+@pytest.mark.parametrize("t,chunk", [(37, 16), (64, 64), (5, 64), (1, 16)])
+def test_chunked_rule_equals_the_recurrent_one(t: int, chunk: int) -> None:
+    """The chunked delta rule (padded last block, several blocks, a given start state) gives the
+    recurrent form's outputs and final state, and both give transformers' recurrent reference."""
+    q, k, v, g, beta, state = _random_rule_inputs(2, t)
+    out_r, s_r = recurrent_gated_delta_rule(q, k, v, g, beta, state)
+    out_c, s_c = chunk_gated_delta_rule(q, k, v, g, beta, state, chunk=chunk)
+    torch.testing.assert_close(out_c, out_r, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(s_c, s_r, atol=1e-5, rtol=1e-5)
+    out_hf, s_hf = torch_recurrent_gated_delta_rule(q, k, v, g, beta, initial_state=state,
+                                                    output_final_state=True, use_qk_l2norm_in_kernel=True)
+    torch.testing.assert_close(out_r, out_hf, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(s_r, s_hf, atol=1e-5, rtol=1e-5)
+
+
+def test_rule_in_pieces_equals_one_piece() -> None:
+    """Splitting the tokens and passing the state on is the same as one call, in either form;
+    starting the second piece from zeros instead is not (the control)."""
+    q, k, v, g, beta, state = _random_rule_inputs(1, 30, seed=1)
+    whole, s_whole = chunk_gated_delta_rule(q, k, v, g, beta, state, chunk=8)
+    first, s_mid = chunk_gated_delta_rule(q[:, :11], k[:, :11], v[:, :11], g[:, :11], beta[:, :11], state, chunk=8)
+    rest, s_end = recurrent_gated_delta_rule(q[:, 11:], k[:, 11:], v[:, 11:], g[:, 11:], beta[:, 11:], s_mid)
+    torch.testing.assert_close(torch.cat((first, rest), dim=1), whole, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(s_end, s_whole, atol=1e-5, rtol=1e-5)
+    fresh, _ = recurrent_gated_delta_rule(q[:, 11:], k[:, 11:], v[:, 11:], g[:, 11:], beta[:, 11:], None)
+    assert (fresh - whole[:, 11:]).abs().amax() > 0.05
