@@ -6,18 +6,25 @@ sizes apart (8 and 12), so a swapped head, a mixed-up q/k/v/z row or a
 forgotten transform shows in the logits. LONG (40 tokens) is read in one
 piece or in parts, the recurrent state carried between the parts through the
 test StateContext (`dense_context.DenseStates`), then decoded one token a
-step (the recurrent form of the delta rule).
+step (the recurrent form of the delta rule). The GGUF files are written the
+way llama.cpp's converter writes them (`gguf_export.py`): its names, its
+metadata and its transforms of the DeltaNet tensors and the norms.
 """
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 from dense_context import DenseContext, DenseStates, greedy, prompt_logits, run
-from tiny_models import PROMPT, hf_greedy, hf_logits, save_tiny
+from gguf import GGMLQuantizationType as Q
+from gguf_export import DEFAULT_TYPES, write_gguf
+from tiny_models import PROMPT, hf_greedy, hf_logits, save_tiny, tiny_hf_model
 from transformers.models.qwen3_next.modeling_qwen3_next import torch_recurrent_gated_delta_rule
 
+from strata.errors import ModelLoadError
 from strata.models import load_model
+from strata.models.config import config_from_gguf
 from strata.models.deltanet import chunk_gated_delta_rule, recurrent_gated_delta_rule
 from strata.models.loader import LoadedModel
 
@@ -146,3 +153,121 @@ def test_rule_in_pieces_equals_one_piece() -> None:
     torch.testing.assert_close(s_end, s_whole, atol=1e-5, rtol=1e-5)
     fresh, _ = recurrent_gated_delta_rule(q[:, 11:], k[:, 11:], v[:, 11:], g[:, 11:], beta[:, 11:], None)
     assert (fresh - whole[:, 11:]).abs().amax() > 0.05
+
+
+@pytest.fixture(scope="module")
+def from_gguf(tiny, tmp_path_factory) -> LoadedModel:
+    """The same tiny model written as a float32 GGUF file the way llama.cpp's converter does,
+    loaded by Strata. (llama.cpp itself refuses a qwen3next file without experts; the dense
+    one keeps llama's ffn_gate/ffn_up/ffn_down names.)"""
+    kind, hf, _ = tiny
+    path = write_gguf(hf, tmp_path_factory.mktemp("gguf") / f"{kind}.gguf", "qwen3next", types={})
+    return load_model(str(path), device="cpu", dtype="float32", progress=False)
+
+
+def test_gguf_config_is_the_folders(tiny, from_gguf) -> None:
+    """Everything the model is built from comes out of the GGUF metadata as from config.json."""
+    _, _, folder = tiny
+    keys = ("layer_types", "linear_num_key_heads", "linear_num_value_heads", "linear_key_head_dim",
+            "linear_value_head_dim", "linear_conv_kernel", "head_dim", "rotary_dim", "attn_output_gate",
+            "num_heads", "num_kv_heads", "num_experts", "experts_per_token", "expert_ffn",
+            "shared_expert_ffn", "norm_topk_prob", "rope_theta", "tie_word_embeddings")
+    assert {k: getattr(from_gguf.config, k) for k in keys} == {k: getattr(folder.config, k) for k in keys}
+
+
+def test_gguf_transforms_are_undone(tiny, from_gguf) -> None:
+    """Each parameter read from the file is the transformers model's: in_proj_qkvz rebuilt from
+    attn_qkv and attn_gate, A_log from ssm_a, the norms from 1 + w, the convolution unsqueezed."""
+    _, hf, _ = tiny
+    ours = dict(from_gguf.model.named_parameters())
+    theirs = hf.state_dict()
+    for name in ("linear_attn.in_proj_qkvz.weight", "linear_attn.in_proj_ba.weight", "linear_attn.conv1d.weight",
+                 "linear_attn.dt_bias", "linear_attn.A_log", "linear_attn.norm.weight", "linear_attn.out_proj.weight",
+                 "input_layernorm.weight", "post_attention_layernorm.weight"):
+        torch.testing.assert_close(ours[f"layers.1.{name}"], theirs[f"model.layers.1.{name}"],
+                                   atol=1e-6, rtol=1e-6, msg=name)
+    for name in ("self_attn.q_norm.weight", "self_attn.k_norm.weight"):
+        torch.testing.assert_close(ours[f"layers.3.{name}"], theirs[f"model.layers.3.{name}"], atol=1e-6, rtol=1e-6)
+    torch.testing.assert_close(ours["norm.weight"], theirs["model.norm.weight"], atol=1e-6, rtol=1e-6)
+
+
+def test_gguf_matches_the_folder_and_transformers(tiny, reference, from_gguf) -> None:
+    """Logits and greedy tokens of the GGUF load: the folder load's and transformers', whole and
+    in parts."""
+    _, _, folder = tiny
+    ref_logits, ref_tokens = reference
+    ours = prompt_logits(from_gguf, LONG)
+    torch.testing.assert_close(ours, prompt_logits(folder, LONG), atol=5e-5, rtol=1e-4)  # A_log via exp and log
+    torch.testing.assert_close(ours, ref_logits, **TOL)
+    torch.testing.assert_close(parts_logits(from_gguf, LONG, [1, 17, 40]), ref_logits, **TOL)
+    assert greedy(from_gguf, LONG, NEW) == ref_tokens
+
+
+# block types for the DeltaNet's and the experts' tensors too (ssm_out's 48 columns are no
+# whole Q8_0 blocks: it stays F32, as llama.cpp's quantizer would leave it)
+QUANTIZED = {**DEFAULT_TYPES, "attn_qkv.weight": Q.Q8_0, "attn_gate.weight": Q.Q8_0, "ssm_ba.weight": Q.Q8_0,
+             "ffn_gate_exps.weight": Q.Q8_0, "ffn_up_exps.weight": Q.Q4_0, "ffn_down_exps.weight": Q.Q8_0,
+             "ffn_gate_shexp.weight": Q.Q8_0, "attn_v.weight": Q.Q8_0, "attn_output.weight": Q.Q8_0}
+
+
+def test_quantized_gguf_blocks_match_dense(tmp_path) -> None:
+    """A quantized file with `--weights gguf` (the attention, MLP and expert blocks multiplied in
+    place, the DeltaNet's projections dequantized: their rows are reordered across two tensors)
+    gives the logits of the same file dequantized."""
+    path = str(write_gguf(tiny_hf_model("qwen3_next"), tmp_path / "q.gguf", "qwen3next", types=QUANTIZED))
+    dense = load_model(path, device="cpu", dtype="float32", weights="dense", progress=False)
+    blocks = load_model(path, device="cpu", dtype="float32", weights="gguf", progress=False)
+    assert blocks.weights == "gguf"
+    assert type(blocks.model.layers[3].self_attn.qkv_proj).__name__ == "BlockLinear"
+    assert type(blocks.model.layers[0].linear_attn.in_proj_qkvz).__name__ == "Linear"
+    torch.testing.assert_close(prompt_logits(blocks, LONG), prompt_logits(dense, LONG), atol=1e-3, rtol=1e-3)
+
+
+def _load_error(path) -> ModelLoadError:
+    with pytest.raises(ModelLoadError) as info:
+        load_model(str(path), device="cpu", dtype="float32", progress=False)
+    assert info.value.path == str(path) and "\n" not in info.value.problem
+    return info.value
+
+
+@pytest.mark.parametrize("missing", ["blk.1.ssm_a", "blk.0.attn_gate.weight", "blk.2.ssm_dt.bias",
+                                     "blk.3.attn_q_norm.weight"])
+def test_gguf_missing_tensor_is_named(tmp_path, missing: str) -> None:
+    path = write_gguf(tiny_hf_model("qwen3_next_dense"), tmp_path / "t.gguf", "qwen3next", types={},
+                      skip=(missing,))
+    assert _load_error(path).problem == f"missing tensor {missing}"
+
+
+def test_gguf_bad_tensor_shape_is_named(tmp_path) -> None:
+    """A convolution of kernel 3 where the metadata says 4: one line naming the tensor and shapes."""
+    conv = np.zeros((80, 3), dtype=np.float32)
+    path = write_gguf(tiny_hf_model("qwen3_next_dense"), tmp_path / "t.gguf", "qwen3next", types={},
+                      raw={"ssm_conv1d.weight": (conv, Q.F32)})
+    problem = _load_error(path).problem
+    assert problem == "tensor blk.0.ssm_conv1d.weight has shape [80, 3], the config needs [80, 1, 4]"
+
+
+def _meta(**extra) -> dict:
+    base = {"general.architecture": "qwen3next", "embedding_length": 64, "block_count": 8,
+            "feed_forward_length": 128, "attention.head_count": 4, "attention.head_count_kv": 2,
+            "attention.key_length": 16, "rope.dimension_count": 4, "vocab_size": 256,
+            "ssm.conv_kernel": 4, "ssm.state_size": 8, "ssm.group_count": 2, "ssm.time_step_rank": 4,
+            "ssm.inner_size": 48}
+    merged = {**base, **extra}
+    return {k if k.startswith("general.") else f"qwen3next.{k}": v for k, v in merged.items() if v is not None}
+
+
+def test_gguf_metadata_follows_llama_cpp() -> None:
+    """Without full_attention_interval every 4th layer attends (llama.cpp's default); a value head
+    size is inner_size / time_step_rank; missing or inconsistent sizes are one clear error."""
+    _, cfg = config_from_gguf("x.gguf", _meta(), [], None)
+    assert [i for i in range(8) if not cfg.linear(i)] == [3, 7] and cfg.linear_value_head_dim == 12
+    assert (cfg.rope_dim, cfg.linear_key_head_dim, cfg.linear_num_key_heads) == (4, 8, 2)
+    _, cfg = config_from_gguf("x.gguf", _meta(full_attention_interval=2), [], None)
+    assert [i for i in range(8) if not cfg.linear(i)] == [1, 3, 5, 7]
+    with pytest.raises(ModelLoadError, match="lacks qwen3next.ssm.inner_size"):
+        config_from_gguf("x.gguf", _meta(**{"ssm.inner_size": None}), [], None)
+    with pytest.raises(ModelLoadError, match="multiple of the key heads"):
+        config_from_gguf("x.gguf", _meta(**{"ssm.time_step_rank": 3}), [], None)
+    with pytest.raises(ModelLoadError, match="rope.dimension_count 3"):
+        config_from_gguf("x.gguf", _meta(**{"rope.dimension_count": 3}), [], None)
