@@ -36,7 +36,6 @@ class Architecture:
     # GGUF layer tensor names that differ from llama's (`naming.py`), (parameter, stored name) pairs
     gguf_layer_names: tuple[tuple[str, str], ...] = ()
     gguf_norm_offset: float = 0.0  # llama.cpp stores norm weights w as w + offset (Gemma: 1)
-    gguf_plain_norms: tuple[str, ...] = ()  # norm parameters (name endings) stored without the offset
     # Sliding-window layers where a config.json or GGUF file does not list them (transformers and
     # llama.cpp fix them per architecture): every n-th layer global (0: none slide), and the
     # sliding layers' RoPE base

@@ -240,7 +240,8 @@ def _open_gguf(p: Path) -> Opened:
             return None
         return Tokenizer.from_gguf_metadata(meta, path)
 
-    return source, arch, cfg, lambda name, rows: gguf_parts(name, rows, cfg, arch), tokenizer
+    stored = source.names()
+    return source, arch, cfg, lambda name, rows: gguf_parts(name, rows, cfg, arch, stored), tokenizer
 
 
 def _fill(

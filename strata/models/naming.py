@@ -11,7 +11,7 @@ groups) is a part's `join`, applied to the stacked parameter.
 from __future__ import annotations
 
 import re
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from dataclasses import dataclass
 
 import torch
@@ -156,14 +156,18 @@ def grouped_qkvz(t: torch.Tensor, cfg: ModelConfig) -> torch.Tensor:
     return torch.cat([p.reshape(hk, -1, *t.shape[1:]) for p in pieces], dim=1).reshape(t.shape)
 
 
-def _gguf_linear_attention(rest: str, layer: str, rows: int, cfg: ModelConfig) -> list[Part]:
+def _gguf_linear_attention(rest: str, layer: str, rows: int, cfg: ModelConfig,
+                           stored: Collection[str]) -> list[Part]:
     """Parts of a DeltaNet parameter: the converter's transforms undone.
 
-    It splits in_proj_qkvz into attn_qkv and attn_gate in its own row order, stores A_log as
-    ssm_a = -exp(A_log) and the convolution's [C, 1, K] weight as [C, K]; the rest is as stored.
+    It splits in_proj_qkvz into attn_qkv and attn_gate in its own row order (older files keep it
+    whole, in Hugging Face's order, as ssm_in), stores A_log as ssm_a = -exp(A_log) and the
+    convolution's [C, 1, K] weight as [C, K]; the rest is as stored.
     """
     blk = f"blk.{layer}."
     if rest == "linear_attn.in_proj_qkvz.weight":
+        if blk + "ssm_in.weight" in stored:
+            return [Part(blk + "ssm_in.weight", rows)]
         value = cfg.linear_num_value_heads * cfg.linear_value_head_dim
         return [Part(blk + "attn_qkv.weight", rows - value),
                 Part(blk + "attn_gate.weight", value, join=lambda t: grouped_qkvz(t, cfg))]
@@ -173,18 +177,19 @@ def _gguf_linear_attention(rest: str, layer: str, rows: int, cfg: ModelConfig) -
     return [Part(name, rows, reshape=rest == "linear_attn.conv1d.weight")]
 
 
-def gguf_parts(param: str, rows: int, cfg: ModelConfig, arch: Architecture) -> list[Part]:
-    """Parts of `param` in a GGUF file (llama.cpp's names)."""
-    offset = (bool(arch.gguf_norm_offset) and param.endswith("norm.weight")
-              and not param.endswith(arch.gguf_plain_norms))
+def gguf_parts(param: str, rows: int, cfg: ModelConfig, arch: Architecture,
+               stored: Collection[str] = ()) -> list[Part]:
+    """Parts of `param` in a GGUF file (llama.cpp's names); `stored`: the file's tensor names,
+    where a parameter has more than one way to be stored."""
+    offset = bool(arch.gguf_norm_offset) and param.endswith("norm.weight")
     if param in _GGUF_TOP:
         return [Part(_GGUF_TOP[param], rows, _norm_offset(arch) if offset else None, exact=offset)]
     m = _LAYER.fullmatch(param)
     if m is None:
         raise KeyError(param)
     layer, rest = m.groups()
-    if rest.startswith("linear_attn."):
-        return _gguf_linear_attention(rest, layer, rows, cfg)
+    if rest.startswith("linear_attn."):  # its gated norm is a plain scale: stored without the offset
+        return _gguf_linear_attention(rest, layer, rows, cfg, stored)
     if rest in _GGUF_VECTORS:
         return [Part(f"blk.{layer}.{_GGUF_VECTORS[rest]}", rows, reshape=True)]
     own = dict(arch.gguf_layer_names)

@@ -118,9 +118,8 @@ ARCH = Architecture(
     partial_rotary=True,
     attn_output_gate=True,
     model_class=Qwen3NextModel,
-    # llama.cpp's converter stores the zero-centred norms as 1 + w, the DeltaNet's gated norm
-    # (a plain scale) as it is; the DeltaNet's own tensors are mapped in `naming.py`
+    # llama.cpp's converter stores the zero-centred norms as 1 + w; the DeltaNet's tensors
+    # (its gated norm as it is) are mapped in `naming.py`
     gguf_layer_names=(("post_attention_layernorm.weight", "post_attention_norm.weight"),),
     gguf_norm_offset=1.0,
-    gguf_plain_norms=("linear_attn.norm.weight",),
 )

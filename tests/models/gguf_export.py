@@ -64,7 +64,7 @@ DEFAULT_TYPES = {
 }
 
 
-def _tensors(model: torch.nn.Module, arch: str) -> list[tuple[str, np.ndarray]]:
+def _tensors(model: torch.nn.Module, arch: str, legacy: bool = False) -> list[tuple[str, np.ndarray]]:
     """(GGUF name, float32 data) of every tensor; transformers 5 holds a layer's experts as
     fused [E, 2I, H] gate/up and [E, H, I] down parameters, which llama.cpp stores as
     ffn_gate_exps, ffn_up_exps and ffn_down_exps."""
@@ -82,19 +82,19 @@ def _tensors(model: torch.nn.Module, arch: str) -> list[tuple[str, np.ndarray]]:
         elif arch == "gemma3" and hf_name.endswith("norm.weight"):
             out.append((gguf_name(hf_name, arch), data + 1))  # llama.cpp's converter adds Gemma's 1
         elif arch == "qwen3next":
-            out += _qwen3next_tensors(hf_name, data, model.config)
+            out += _qwen3next_tensors(hf_name, data, model.config, legacy)
         else:
             out.append((gguf_name(hf_name, arch), data))
     return out
 
 
-def _qwen3next_tensors(hf_name: str, data: np.ndarray, cfg) -> list[tuple[str, np.ndarray]]:
+def _qwen3next_tensors(hf_name: str, data: np.ndarray, cfg, legacy: bool) -> list[tuple[str, np.ndarray]]:
     """What llama.cpp's converter (`Qwen3NextModel.modify_tensors`) makes of one tensor.
 
     A_log becomes ssm_a = -exp(A_log), dt_bias ssm_dt.bias, the [C, 1, K] convolution [C, K];
     every norm but the DeltaNet's gated one is stored as 1 + w; in_proj_qkvz (per key head: q, k,
     then its value heads' v and z rows) becomes attn_qkv (all q rows, all k, all v) and
-    attn_gate (all z rows)."""
+    attn_gate (all z rows), or with `legacy` (the converter's first version) ssm_in as it is."""
     layer = hf_name.split(".")[2] if hf_name.startswith("model.layers.") else None
     if hf_name.endswith(".linear_attn.A_log"):
         return [(f"blk.{layer}.ssm_a", -np.exp(data))]
@@ -102,6 +102,8 @@ def _qwen3next_tensors(hf_name: str, data: np.ndarray, cfg) -> list[tuple[str, n
         return [(f"blk.{layer}.ssm_dt.bias", data)]
     if hf_name.endswith(".linear_attn.conv1d.weight"):
         return [(gguf_name(hf_name, "qwen3next"), data.squeeze(1))]
+    if hf_name.endswith(".linear_attn.in_proj_qkvz.weight") and legacy:
+        return [(f"blk.{layer}.ssm_in.weight", data)]
     if hf_name.endswith(".linear_attn.in_proj_qkvz.weight"):
         hk, dk, dv = cfg.linear_num_key_heads, cfg.linear_key_head_dim, cfg.linear_value_head_dim
         group = cfg.linear_num_value_heads // hk * dv
@@ -203,9 +205,11 @@ def write_gguf(
     types: dict[str, Q] | None = None,
     raw: dict[str, tuple[np.ndarray, Q]] | None = None,
     skip: tuple[str, ...] = (),
+    legacy: bool = False,
 ) -> Path:
     """`types`: tensor-name suffix -> GGML type (F32 otherwise); `raw`: tensors written as
-    given bytes; `skip`: full tensor names left out."""
+    given bytes; `skip`: full tensor names left out; `legacy`: an older converter's layout
+    (qwen3next's ssm_in)."""
     types = DEFAULT_TYPES if types is None else types
     raw = raw or {}
     cfg = model.config
@@ -240,7 +244,7 @@ def write_gguf(
         w.add_rope_scaling_type(RopeScalingType.LINEAR)
         w.add_rope_scaling_factor(rope["factor"])
     tied = cfg.tie_word_embeddings
-    for name, data in _tensors(model, arch):
+    for name, data in _tensors(model, arch, legacy):
         if tied and name == "output.weight":
             continue
         if name in skip:

@@ -203,6 +203,15 @@ def test_gguf_matches_the_folder_and_transformers(tiny, reference, from_gguf) ->
     assert greedy(from_gguf, LONG, NEW) == ref_tokens
 
 
+def test_legacy_ssm_in_gguf_matches(tiny, reference, tmp_path) -> None:
+    """A file of the converter's first version (in_proj_qkvz kept whole as ssm_in, in Hugging
+    Face's row order) gives transformers' logits too."""
+    kind, hf, _ = tiny
+    path = write_gguf(hf, tmp_path / "legacy.gguf", "qwen3next", types={}, legacy=True)
+    loaded = load_model(str(path), device="cpu", dtype="float32", progress=False)
+    torch.testing.assert_close(prompt_logits(loaded, LONG), reference[0], **TOL)
+
+
 # block types for the DeltaNet's and the experts' tensors too (ssm_out's 48 columns are no
 # whole Q8_0 blocks: it stays F32, as llama.cpp's quantizer would leave it)
 QUANTIZED = {**DEFAULT_TYPES, "attn_qkv.weight": Q.Q8_0, "attn_gate.weight": Q.Q8_0, "ssm_ba.weight": Q.Q8_0,
