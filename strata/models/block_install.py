@@ -60,6 +60,8 @@ def install_blocks(model: nn.Module, source: BlockSource, parts_of: Callable[[st
 
     def segments(pname: str, rows: int, device: torch.device) -> list[tuple[GGMLQuantizationType, torch.Tensor]] | None:
         parts = parts_of(pname, rows)
+        if any(p.join is not None for p in parts):  # rows reordered across tensors: read dense
+            return None
         types = [source.block_type(p.name) for p in parts]
         if any(not kernel_takes(device, t) for t in types):
             for t in types:
@@ -77,7 +79,9 @@ def install_blocks(model: nn.Module, source: BlockSource, parts_of: Callable[[st
         if device is None:
             continue
         mlp = dense_mlp(layer.mlp)
-        owners = [("self_attn", layer.self_attn, name) for name in ("qkv_proj", "o_proj")]
+        # a recurrent layer (Qwen3-Next's DeltaNet) has no self_attn: its projections stay dense
+        owners = ([("self_attn", layer.self_attn, name) for name in ("qkv_proj", "o_proj")]
+                  if layer.self_attn is not None else [])
         if mlp is not None:
             prefix = "mlp" if mlp is layer.mlp else "mlp.shared"
             owners += [(prefix, mlp, name) for name in ("gate_up_proj", "down_proj")]

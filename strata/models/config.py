@@ -277,8 +277,10 @@ def config_from_gguf(
     head_dim = int(get("attention.key_length", hidden // heads))
     if int(get("attention.value_length", head_dim)) != head_dim:
         raise ModelLoadError(path, "different key and value head sizes are not supported")
-    if int(get("rope.dimension_count", head_dim)) != head_dim:
-        raise ModelLoadError(path, "partial rotary embeddings are not supported")
+    rotary = int(get("rope.dimension_count", head_dim))
+    if rotary != head_dim and not (arch.partial_rotary and 0 < rotary < head_dim and rotary % 2 == 0):
+        raise ModelLoadError(path, f"partial rotary embeddings ({a}.rope.dimension_count {rotary} of a "
+                                   f"head of {head_dim}) are not supported")
 
     vocab = get("vocab_size")
     if vocab is None and metadata.get("tokenizer.ggml.tokens") is not None:
@@ -314,6 +316,8 @@ def config_from_gguf(
         num_heads=heads,
         num_kv_heads=kv_heads,
         head_dim=head_dim,
+        rotary_dim=rotary if rotary != head_dim else 0,
+        attn_output_gate=arch.attn_output_gate,
         rms_norm_eps=float(get("attention.layer_norm_rms_epsilon", 1e-5)),
         rope_theta=float(get("rope.freq_base", 10000.0)),
         rope_scaling=scaling,
@@ -334,8 +338,37 @@ def config_from_gguf(
         final_logit_softcap=None if cap is None else float(cap),
         **_gguf_sliding(path, a, get, arch, layers),
         **_gguf_experts(path, a, get, arch, ffn, layers, tensor_names),
+        **_gguf_linear_attention(path, a, get, layers),
     )
     return arch, cfg
+
+
+def _gguf_linear_attention(path: str, a: str, get: Any, layers: int) -> dict[str, Any]:
+    """The gated DeltaNet fields of GGUF metadata (llama.cpp's `{arch}.ssm.*`); none without
+    `.ssm.conv_kernel`.
+
+    llama.cpp reuses Mamba's keys: state_size is a key head's size, group_count the key heads,
+    time_step_rank the value heads and inner_size all value heads' width. Every
+    `{arch}.full_attention_interval`-th layer (default 4, llama.cpp's) is full attention.
+    """
+    if get("ssm.conv_kernel") is None:
+        return {}
+    sizes = {}
+    for key in ("ssm.conv_kernel", "ssm.state_size", "ssm.group_count", "ssm.time_step_rank", "ssm.inner_size"):
+        if get(key) is None:
+            raise ModelLoadError(path, f"GGUF metadata lacks {a}.{key}")
+        sizes[key] = int(get(key))
+    hk, hv, inner = sizes["ssm.group_count"], sizes["ssm.time_step_rank"], sizes["ssm.inner_size"]
+    if min(sizes.values()) <= 0 or hv % hk or inner % hv:
+        raise ModelLoadError(path, f"linear-attention sizes {sizes} do not fit: the value heads must be a "
+                                   f"multiple of the key heads and divide the inner size")
+    interval = int(get("full_attention_interval", 4))
+    if interval <= 0:
+        raise ModelLoadError(path, f"{a}.full_attention_interval {interval} is not positive")
+    types = tuple("full_attention" if (i + 1) % interval == 0 else "linear_attention" for i in range(layers))
+    return dict(layer_types=types, linear_num_key_heads=hk, linear_num_value_heads=hv,
+                linear_key_head_dim=sizes["ssm.state_size"], linear_value_head_dim=inner // hv,
+                linear_conv_kernel=sizes["ssm.conv_kernel"])
 
 
 def _opt_int(value: Any) -> int | None:

@@ -240,7 +240,8 @@ def _open_gguf(p: Path) -> Opened:
             return None
         return Tokenizer.from_gguf_metadata(meta, path)
 
-    return source, arch, cfg, lambda name, rows: gguf_parts(name, rows, cfg, arch), tokenizer
+    stored = source.names()
+    return source, arch, cfg, lambda name, rows: gguf_parts(name, rows, cfg, arch, stored), tokenizer
 
 
 def _fill(
@@ -290,7 +291,10 @@ def _fill(
                 t = t.reshape(part.rows, *model.get_parameter(pname).shape[1:])
             t = part.fix(t) if part.fix is not None else t
             pieces.append(t.to(dtype) if part.exact else t)
-        state[pname] = pieces[0] if len(pieces) == 1 else torch.cat(pieces, dim=0)
+        joined = pieces[0] if len(pieces) == 1 else torch.cat(pieces, dim=0)
+        for part in parts:
+            joined = part.join(joined) if part.join is not None else joined
+        state[pname] = joined
     kept = set(model.state_dict())  # persistent buffers: the blocks `install_blocks` read already
     state.update((n, b) for n, b in model.named_buffers(remove_duplicate=False) if n in kept)
     model.load_state_dict(state, strict=True, assign=True)

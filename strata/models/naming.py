@@ -3,13 +3,15 @@
 A fused parameter (qkv_proj, gate_up_proj) is several stored tensors stacked
 along rows, so each parameter maps to a list of `Part`s: the stored name, how
 many rows it contributes, and an optional fix-up applied after loading (the
-llama Q/K row order of GGUF files).
+llama Q/K row order of GGUF files). A row order that spans the parts (a
+Qwen3-Next DeltaNet's q|k|v and z tensors back into Hugging Face's per-head
+groups) is a part's `join`, applied to the stacked parameter.
 """
 
 from __future__ import annotations
 
 import re
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from dataclasses import dataclass
 
 import torch
@@ -29,6 +31,9 @@ class Part:
     # row of [E, I, H]; a [H] gate vector is the [1, H] weight): read, then reshaped
     reshape: bool = False
     exact: bool = False  # read in float32, fixed, then cast: the fix must not round in the compute dtype
+    # a fix of the whole parameter once its parts are stacked (row orders across parts); the
+    # parameter is then read dense, never as the file's blocks
+    join: Fix | None = None
 
 
 _LAYER = re.compile(r"layers\.(\d+)\.(.+)")
@@ -74,6 +79,16 @@ _GGUF_LAYER = {
     "mlp.shared.down_proj.weight": ["ffn_down_shexp.weight"],
 }
 _GGUF_VECTORS = {"mlp.shared_gate.weight": "ffn_gate_inp_shexp.weight"}  # stored as [H]
+# a gated DeltaNet's tensors as llama.cpp's converter names them (gguf-py's SSM_* names);
+# in_proj_qkvz is two tensors there and A_log is stored transformed (`_gguf_linear_attention`)
+_GGUF_LINEAR = {
+    "linear_attn.in_proj_ba.weight": "ssm_ba.weight",
+    "linear_attn.conv1d.weight": "ssm_conv1d.weight",
+    "linear_attn.dt_bias": "ssm_dt.bias",
+    "linear_attn.A_log": "ssm_a",
+    "linear_attn.norm.weight": "ssm_norm.weight",
+    "linear_attn.out_proj.weight": "ssm_out.weight",
+}
 
 _GGUF_TOP = {
     "embed_tokens.weight": "token_embd.weight",
@@ -128,8 +143,44 @@ def _norm_offset(arch: Architecture) -> Fix:
     return lambda t: t - arch.gguf_norm_offset
 
 
-def gguf_parts(param: str, rows: int, cfg: ModelConfig, arch: Architecture) -> list[Part]:
-    """Parts of `param` in a GGUF file (llama.cpp's names)."""
+def grouped_qkvz(t: torch.Tensor, cfg: ModelConfig) -> torch.Tensor:
+    """A DeltaNet's in_proj_qkvz rows from llama.cpp's order back to Hugging Face's.
+
+    llama.cpp's converter stores all q rows, then all k, v (its attn_qkv tensor) and z (attn_gate);
+    Hugging Face keeps, per key head, its q and k rows and then the v and z rows of the value heads
+    that read it.
+    """
+    hk = cfg.linear_num_key_heads
+    key, value = hk * cfg.linear_key_head_dim, cfg.linear_num_value_heads * cfg.linear_value_head_dim
+    pieces = t.split((key, key, value, value), dim=0)
+    return torch.cat([p.reshape(hk, -1, *t.shape[1:]) for p in pieces], dim=1).reshape(t.shape)
+
+
+def _gguf_linear_attention(rest: str, layer: str, rows: int, cfg: ModelConfig,
+                           stored: Collection[str]) -> list[Part]:
+    """Parts of a DeltaNet parameter: the converter's transforms undone.
+
+    It splits in_proj_qkvz into attn_qkv and attn_gate in its own row order (older files keep it
+    whole, in Hugging Face's order, as ssm_in), stores A_log as ssm_a = -exp(A_log) and the
+    convolution's [C, 1, K] weight as [C, K]; the rest is as stored.
+    """
+    blk = f"blk.{layer}."
+    if rest == "linear_attn.in_proj_qkvz.weight":
+        if blk + "ssm_in.weight" in stored:
+            return [Part(blk + "ssm_in.weight", rows)]
+        value = cfg.linear_num_value_heads * cfg.linear_value_head_dim
+        return [Part(blk + "attn_qkv.weight", rows - value),
+                Part(blk + "attn_gate.weight", value, join=lambda t: grouped_qkvz(t, cfg))]
+    name = blk + _GGUF_LINEAR[rest]
+    if rest == "linear_attn.A_log":
+        return [Part(name, rows, lambda t: torch.log(-t), exact=True)]
+    return [Part(name, rows, reshape=rest == "linear_attn.conv1d.weight")]
+
+
+def gguf_parts(param: str, rows: int, cfg: ModelConfig, arch: Architecture,
+               stored: Collection[str] = ()) -> list[Part]:
+    """Parts of `param` in a GGUF file (llama.cpp's names); `stored`: the file's tensor names,
+    where a parameter has more than one way to be stored."""
     offset = bool(arch.gguf_norm_offset) and param.endswith("norm.weight")
     if param in _GGUF_TOP:
         return [Part(_GGUF_TOP[param], rows, _norm_offset(arch) if offset else None, exact=offset)]
@@ -137,6 +188,8 @@ def gguf_parts(param: str, rows: int, cfg: ModelConfig, arch: Architecture) -> l
     if m is None:
         raise KeyError(param)
     layer, rest = m.groups()
+    if rest.startswith("linear_attn."):  # its gated norm is a plain scale: stored without the offset
+        return _gguf_linear_attention(rest, layer, rows, cfg, stored)
     if rest in _GGUF_VECTORS:
         return [Part(f"blk.{layer}.{_GGUF_VECTORS[rest]}", rows, reshape=True)]
     own = dict(arch.gguf_layer_names)

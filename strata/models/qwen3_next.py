@@ -110,5 +110,16 @@ class Qwen3NextModel(DecoderModel):
                 if layer.linear_attn is not None}
 
 
-ARCH = Architecture(name="qwen3next", hf_model_types=("qwen3_next",), qk_norm=True, default_head_dim=256,
-                    partial_rotary=True, attn_output_gate=True, model_class=Qwen3NextModel)
+ARCH = Architecture(
+    name="qwen3next",
+    hf_model_types=("qwen3_next",),
+    qk_norm=True,
+    default_head_dim=256,
+    partial_rotary=True,
+    attn_output_gate=True,
+    model_class=Qwen3NextModel,
+    # llama.cpp's converter stores the zero-centred norms as 1 + w; the DeltaNet's tensors
+    # (its gated norm as it is) are mapped in `naming.py`
+    gguf_layer_names=(("post_attention_layernorm.weight", "post_attention_norm.weight"),),
+    gguf_norm_offset=1.0,
+)

@@ -2,8 +2,10 @@
 
 That means llama.cpp's tensor names, llama's Q/K rows permuted for its RoPE
 kernel, Llama 3 rope scaling as a `rope_freqs.weight` tensor, Gemma's norm
-weights stored as 1 + w with its sandwich norms' own names, and some tensors
-quantized, so loading it exercises every path of the GGUF loader.
+weights stored as 1 + w with its sandwich norms' own names, Qwen3-Next's
+DeltaNet tensors transformed as llama.cpp's converter does it
+(`_qwen3next_tensors`), and some tensors quantized, so loading it exercises
+every path of the GGUF loader.
 """
 
 from __future__ import annotations
@@ -43,6 +45,15 @@ GEMMA3_NAMES = {
     "post_feedforward_layernorm": "post_ffw_norm",
 }
 
+# qwen3next's names where they differ from llama's (gguf-py's ATTN_POST_NORM and SSM_* tensors)
+QWEN3NEXT_NAMES = {
+    "post_attention_layernorm": "post_attention_norm",
+    "linear_attn.in_proj_ba": "ssm_ba",
+    "linear_attn.conv1d": "ssm_conv1d",
+    "linear_attn.norm": "ssm_norm",
+    "linear_attn.out_proj": "ssm_out",
+}
+
 # the quantized types of this test file: at least one of each block family
 DEFAULT_TYPES = {
     "attn_q.weight": Q.Q8_0,
@@ -53,7 +64,7 @@ DEFAULT_TYPES = {
 }
 
 
-def _tensors(model: torch.nn.Module, arch: str) -> list[tuple[str, np.ndarray]]:
+def _tensors(model: torch.nn.Module, arch: str, legacy: bool = False) -> list[tuple[str, np.ndarray]]:
     """(GGUF name, float32 data) of every tensor; transformers 5 holds a layer's experts as
     fused [E, 2I, H] gate/up and [E, H, I] down parameters, which llama.cpp stores as
     ffn_gate_exps, ffn_up_exps and ffn_down_exps."""
@@ -70,9 +81,52 @@ def _tensors(model: torch.nn.Module, arch: str) -> list[tuple[str, np.ndarray]]:
             out.append((gguf_name(hf_name), data.reshape(-1)))  # llama.cpp keeps it as a vector
         elif arch == "gemma3" and hf_name.endswith("norm.weight"):
             out.append((gguf_name(hf_name, arch), data + 1))  # llama.cpp's converter adds Gemma's 1
+        elif arch == "qwen3next":
+            out += _qwen3next_tensors(hf_name, data, model.config, legacy)
         else:
             out.append((gguf_name(hf_name, arch), data))
     return out
+
+
+def _qwen3next_tensors(hf_name: str, data: np.ndarray, cfg, legacy: bool) -> list[tuple[str, np.ndarray]]:
+    """What llama.cpp's converter (`Qwen3NextModel.modify_tensors`) makes of one tensor.
+
+    A_log becomes ssm_a = -exp(A_log), dt_bias ssm_dt.bias, the [C, 1, K] convolution [C, K];
+    every norm but the DeltaNet's gated one is stored as 1 + w; in_proj_qkvz (per key head: q, k,
+    then its value heads' v and z rows) becomes attn_qkv (all q rows, all k, all v) and
+    attn_gate (all z rows), or with `legacy` (the converter's first version) ssm_in as it is."""
+    layer = hf_name.split(".")[2] if hf_name.startswith("model.layers.") else None
+    if hf_name.endswith(".linear_attn.A_log"):
+        return [(f"blk.{layer}.ssm_a", -np.exp(data))]
+    if hf_name.endswith(".linear_attn.dt_bias"):
+        return [(f"blk.{layer}.ssm_dt.bias", data)]
+    if hf_name.endswith(".linear_attn.conv1d.weight"):
+        return [(gguf_name(hf_name, "qwen3next"), data.squeeze(1))]
+    if hf_name.endswith(".linear_attn.in_proj_qkvz.weight") and legacy:
+        return [(f"blk.{layer}.ssm_in.weight", data)]
+    if hf_name.endswith(".linear_attn.in_proj_qkvz.weight"):
+        hk, dk, dv = cfg.linear_num_key_heads, cfg.linear_key_head_dim, cfg.linear_value_head_dim
+        group = cfg.linear_num_value_heads // hk * dv
+        q, k, v, z = np.split(data.reshape(hk, -1, data.shape[1]), np.cumsum([dk, dk, group]), axis=1)
+        flat = [x.reshape(-1, data.shape[1]) for x in (q, k, v, z)]
+        return [(f"blk.{layer}.attn_qkv.weight", np.concatenate(flat[:3])),
+                (f"blk.{layer}.attn_gate.weight", flat[3])]
+    name = gguf_name(hf_name, "qwen3next")
+    if hf_name.endswith("norm.weight") and not hf_name.endswith("linear_attn.norm.weight"):
+        return [(name, data + 1)]
+    return [(name, data)]
+
+
+def _add_qwen3next(w: GGUFWriter, cfg, head_dim: int) -> None:
+    """The converter's `set_gguf_parameters` additions: Mamba's keys for the DeltaNet sizes, the
+    interval of full-attention layers, and the rotated part of a head as the RoPE dimension."""
+    w.add_ssm_conv_kernel(cfg.linear_conv_kernel_dim)
+    w.add_ssm_state_size(cfg.linear_key_head_dim)
+    w.add_ssm_group_count(cfg.linear_num_key_heads)
+    w.add_ssm_time_step_rank(cfg.linear_num_value_heads)
+    w.add_ssm_inner_size(cfg.linear_value_head_dim * cfg.linear_num_value_heads)
+    w.add_full_attention_interval(getattr(cfg, "full_attention_interval", None) or 4)
+    w.add_rope_dimension_count(int(head_dim * cfg.rope_parameters.get("partial_rotary_factor", 0.25)))
 
 
 def _add_experts(w: GGUFWriter, cfg) -> None:
@@ -95,7 +149,8 @@ def gguf_name(hf_name: str, arch: str = "llama") -> str:
         return "output.weight"
     _, _, layer, rest = hf_name.split(".", 3)
     module, kind = rest.rsplit(".", 1)
-    names = {**LAYER_NAMES, **GEMMA3_NAMES} if arch == "gemma3" else LAYER_NAMES
+    names = {"gemma3": {**LAYER_NAMES, **GEMMA3_NAMES},
+             "qwen3next": {**LAYER_NAMES, **QWEN3NEXT_NAMES}}.get(arch, LAYER_NAMES)
     return f"blk.{layer}.{names[module]}.{kind}"
 
 
@@ -150,9 +205,11 @@ def write_gguf(
     types: dict[str, Q] | None = None,
     raw: dict[str, tuple[np.ndarray, Q]] | None = None,
     skip: tuple[str, ...] = (),
+    legacy: bool = False,
 ) -> Path:
     """`types`: tensor-name suffix -> GGML type (F32 otherwise); `raw`: tensors written as
-    given bytes; `skip`: full tensor names left out."""
+    given bytes; `skip`: full tensor names left out; `legacy`: an older converter's layout
+    (qwen3next's ssm_in)."""
     types = DEFAULT_TYPES if types is None else types
     raw = raw or {}
     cfg = model.config
@@ -167,8 +224,11 @@ def write_gguf(
     w.add_head_count_kv(cfg.num_key_value_heads)
     w.add_key_length(head_dim)
     w.add_value_length(head_dim)
-    w.add_rope_dimension_count(head_dim)
     rope = cfg.rope_parameters
+    if arch == "qwen3next":
+        _add_qwen3next(w, cfg, head_dim)
+    else:
+        w.add_rope_dimension_count(head_dim)
     if arch == "gemma3":
         _add_gemma3(w, cfg)
         rope = rope["full_attention"]
@@ -184,7 +244,7 @@ def write_gguf(
         w.add_rope_scaling_type(RopeScalingType.LINEAR)
         w.add_rope_scaling_factor(rope["factor"])
     tied = cfg.tie_word_embeddings
-    for name, data in _tensors(model, arch):
+    for name, data in _tensors(model, arch, legacy):
         if tied and name == "output.weight":
             continue
         if name in skip:
