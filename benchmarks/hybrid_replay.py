@@ -36,26 +36,40 @@ from strata.engine.engine import Engine
 from strata.engine.request import merge_events
 from strata.engine.types import SamplingParams
 from benchmarks.llama_server import LlamaServer
-from tests.models.gguf_export import export_gguf
+from tests.models.gguf_export import write_gguf
 from tests.models.tiny_models import save_byte_tokenizer
 
 ANSWER = 16
 
 
-def write_model(folder: Path, hidden: int, layers: int) -> None:
-    """A random Qwen3-Next of `layers` layers (every fourth full attention) in `folder`."""
+def write_model(folder: Path, hidden: int, layers: int, tokenizer: str | None = None) -> str:
+    """A random Qwen3-Next of `layers` layers (every fourth full attention) in `folder`: the HF
+    folder with a byte tokenizer, or with `tokenizer` (a GGUF's) a GGUF file carrying it, as
+    llama.cpp's converter writes qwen3next. Returns what to load."""
     from transformers import AutoModelForCausalLM, Qwen3NextConfig
 
+    vocab, bos, eos = 256, None, None
+    if tokenizer is not None:
+        from gguf import GGUFReader
+
+        fields = GGUFReader(tokenizer).fields
+        vocab = len(fields["tokenizer.ggml.tokens"].data)
+        bos, eos = (int(fields[f"tokenizer.ggml.{k}_token_id"].contents()) for k in ("bos", "eos"))
     cfg = Qwen3NextConfig(
-        vocab_size=256, hidden_size=hidden, num_hidden_layers=layers, num_attention_heads=hidden // 64,
+        vocab_size=vocab, hidden_size=hidden, num_hidden_layers=layers, num_attention_heads=hidden // 64,
         num_key_value_heads=2, head_dim=64, intermediate_size=3 * hidden, linear_num_key_heads=hidden // 128,
         linear_num_value_heads=hidden // 64, linear_key_head_dim=64, linear_value_head_dim=64,
         linear_conv_kernel_dim=4, num_experts=16, num_experts_per_tok=4, moe_intermediate_size=hidden // 2,
-        shared_expert_intermediate_size=hidden, max_position_embeddings=32768,
-        layer_types=["full_attention" if (i + 1) % 4 == 0 else "linear_attention" for i in range(layers)])
+        shared_expert_intermediate_size=hidden, max_position_embeddings=32768, bos_token_id=bos,
+        eos_token_id=eos, layer_types=["full_attention" if (i + 1) % 4 == 0 else "linear_attention"
+                                       for i in range(layers)])
     torch.manual_seed(0)
-    AutoModelForCausalLM.from_config(cfg, dtype=torch.float32).save_pretrained(folder)
+    model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
+    if tokenizer is not None:
+        return str(write_gguf(model, folder / "model.gguf", "qwen3next", types={}, tokenizer_from=tokenizer))
+    model.save_pretrained(folder)
     save_byte_tokenizer(folder)
+    return str(folder)
 
 
 def workload(system: int, message: int) -> list[tuple[str, list[int] | None, str | None]]:
@@ -97,7 +111,9 @@ def engine_sender(eng: Engine) -> Send:
 
 def replay(send: Send, system: list[int], steps: list[tuple[str, list[int] | None, str | None]],
            ) -> list[dict[str, Any]]:
-    """Time every request of the workload to its first token; answers extend their chats."""
+    """Time every request of the workload to its first token; answers extend their chats. A
+    warm-up request first (ids the workload never uses), so no request pays for first-use costs."""
+    send([2] * 64, [])
     chats: dict[str, list[int]] = {"A": list(system), "B": list(system)}
     ends: dict[str, list[int]] = {"A": [len(system)], "B": [len(system)]}  # each message's end
     last: dict[str, list[int]] = {}
@@ -146,7 +162,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--device", default="cpu")
     p.add_argument("--min-step", type=int, default=512, help="--prompt-cache-min-step of the run with checkpoints")
     p.add_argument("--prefill-chunk", type=int, default=512)
-    p.add_argument("--gguf", action="store_true", help="load the model as a GGUF (written from the HF folder)")
+    p.add_argument("--gguf", action="store_true", help="load the model as a GGUF (written from the HF model)")
+    p.add_argument("--tokenizer", default=".bench/tokenizer.gguf",
+                   help="the GGUF whose tokenizer a written GGUF carries (`python -m tools.synth OUT "
+                        "--tokenizer-only` writes the default model's)")
     p.add_argument("--llama-server", metavar="PATH",
                    help="also replay through this llama-server on the same GGUF (--ctx-checkpoints 8 "
                         "against 0); its TTFT ratios beside Strata's")
@@ -154,11 +173,8 @@ def main(argv: list[str] | None = None) -> int:
     steps = workload(args.system, args.message)
     system = torch.randint(3, 255, (args.system,), generator=torch.Generator().manual_seed(2)).tolist()
     with tempfile.TemporaryDirectory() as tmp:
-        write_model(Path(tmp), args.hidden, args.layers)
-        model = tmp
-        if args.gguf or args.llama_server:
-            model = str(Path(tmp) / "model.gguf")
-            export_gguf(tmp, model)
+        gguf = args.gguf or args.llama_server is not None
+        model = write_model(Path(tmp), args.hidden, args.layers, args.tokenizer if gguf else None)
         max_context = args.system + 8 * (args.message + ANSWER) + 64
         runs = {}
         for label, flags in (("from_zero", dict(prefix_reuse=False, ctx_checkpoints=0)),

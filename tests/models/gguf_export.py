@@ -198,6 +198,18 @@ def _add_gemma3(w: GGUFWriter, cfg) -> None:
         w.add_final_logit_softcapping(cfg.final_logit_softcapping)
 
 
+def copy_tokenizer(w: GGUFWriter, path: str) -> None:
+    """Every `tokenizer.*` entry of another GGUF, except the BOS and EOS ids the writer sets."""
+    from gguf import GGUFReader, GGUFValueType
+
+    for field in GGUFReader(path).fields.values():
+        if not field.name.startswith("tokenizer.") or field.name.endswith(("bos_token_id", "eos_token_id")):
+            continue
+        kind = field.types[0]
+        sub = field.types[1] if kind == GGUFValueType.ARRAY else None
+        w.add_key_value(field.name, field.contents(), kind, sub)
+
+
 def write_gguf(
     model: torch.nn.Module,
     path: Path,
@@ -206,10 +218,12 @@ def write_gguf(
     raw: dict[str, tuple[np.ndarray, Q]] | None = None,
     skip: tuple[str, ...] = (),
     legacy: bool = False,
+    tokenizer_from: str | None = None,
 ) -> Path:
     """`types`: tensor-name suffix -> GGML type (F32 otherwise); `raw`: tensors written as
     given bytes; `skip`: full tensor names left out; `legacy`: an older converter's layout
-    (qwen3next's ssm_in)."""
+    (qwen3next's ssm_in); `tokenizer_from`: a GGUF whose tokenizer the file carries (the model's
+    vocabulary must be its size)."""
     types = DEFAULT_TYPES if types is None else types
     raw = raw or {}
     cfg = model.config
@@ -238,6 +252,8 @@ def write_gguf(
     w.add_bos_token_id(cfg.bos_token_id)
     w.add_eos_token_id(cfg.eos_token_id)
     _add_experts(w, cfg)
+    if tokenizer_from is not None:
+        copy_tokenizer(w, tokenizer_from)
     if rope.get("rope_type") == "llama3":
         w.add_tensor("rope_freqs.weight", llama3_freq_factors(cfg))
     elif rope.get("rope_type") == "linear":
