@@ -13,6 +13,7 @@ paths' times on a Qwen3-Next-80B-shaped layer (docs/PERFORMANCE.md).
 from __future__ import annotations
 
 import json
+import logging
 import math
 import statistics
 
@@ -202,4 +203,5 @@ def bench() -> dict:
 
 
 if __name__ == "__main__":
+    logging.basicConfig(level=logging.INFO, format="%(name)s: %(message)s")
     print(json.dumps(bench(), indent=1))
