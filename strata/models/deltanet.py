@@ -257,14 +257,14 @@ class GatedDeltaNet(nn.Module):
     def forward(self, x: torch.Tensor, states: StateContext | None) -> torch.Tensor:
         """x [T, hidden] -> [T, hidden]: each span of `states` continues its sequence's state.
 
-        On CUDA with `fla` installed the spans run through FLA's kernels, else through the
-        torch code (`deltanet_fla.backend_for`).
+        bf16 / fp16 on CUDA with `fla` installed, the spans run through FLA's kernels, else
+        through the torch code (`deltanet_fla.backend_for`).
         """
         if states is None:
             raise ValueError("a gated DeltaNet layer needs a StateContext for its recurrent state")
         mixed, z, b, a = self._split(x)
         before = states.load(self.layer_index)
-        mix = self.mix_spans_fla if backend_for(x.device) == "fla" else self.mix_spans_torch
+        mix = self.mix_spans_fla if backend_for(x.device, x.dtype) == "fla" else self.mix_spans_torch
         out, conv, ssm = mix(mixed, b, a, before["conv"], before["ssm"], states.spans)
         states.save(self.layer_index, {"conv": conv, "ssm": ssm})
         out = self.norm.forward(out, z).reshape(x.shape[0], -1)

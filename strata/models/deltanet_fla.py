@@ -19,10 +19,11 @@ spans the chunked one, as the torch path splits them. FLA computes a
 sequence's rows in blocks aligned to its own start, so a lane's result
 does not depend on the other sequences of the step.
 
-The torch path stays the reference (tests/gpu/test_gpu_deltanet.py) and the
-CPU's path. `backend_for` picks: FLA where the tensors are on CUDA and
-`fla` imports (`pip install strata[gpu]`, which `./run` does on NVIDIA
-machines), the torch code otherwise; it logs its choice once.
+The torch path stays the reference (tests/gpu/test_gpu_deltanet.py), the
+CPU's path and float32's (FLA's float32 products are TF32). `backend_for`
+picks: FLA where the tensors are bf16 or fp16 on CUDA and `fla` imports
+(`pip install strata[gpu]`, which `./run` does on NVIDIA machines), the
+torch code otherwise; it logs its choice once.
 """
 
 from __future__ import annotations
@@ -67,23 +68,32 @@ def fla_kernels() -> FlaKernels | None:
                       fused_recurrent_gated_delta_rule)
 
 
+FLA_DTYPES = (torch.bfloat16, torch.float16)
+
+
 @functools.cache
-def _announce(path: str, device_type: str) -> None:
-    """One log line per path and device type: which code runs the DeltaNet layers."""
+def _announce(path: str, device_type: str, dtype: torch.dtype) -> None:
+    """One log line per path, device type and dtype: which code runs the DeltaNet layers."""
     if path == "fla":
         kernels = fla_kernels()
-        log.info("gated DeltaNet on %s: flash-linear-attention %s Triton kernels (conv1d, chunked "
-                 "and fused recurrent delta rule)", device_type, kernels.version if kernels else "?")
+        log.info("gated DeltaNet on %s in %s: flash-linear-attention %s Triton kernels (conv1d, "
+                 "chunked and fused recurrent delta rule)", device_type, dtype,
+                 kernels.version if kernels else "?")
     else:
-        log.info("gated DeltaNet on %s: the torch reference (deltanet.py)", device_type)
+        why = " (FLA's products would run in TF32)" if device_type == "cuda" and dtype == torch.float32 else ""
+        log.info("gated DeltaNet on %s in %s: the torch reference (deltanet.py)%s", device_type, dtype, why)
 
 
-def backend_for(device: torch.device) -> str:
-    """'fla' where the layer's tensors are on CUDA and `fla` imports, else 'torch'.
+def backend_for(device: torch.device, dtype: torch.dtype) -> str:
+    """'fla' where the layer's tensors are bf16 or fp16 on CUDA and `fla` imports, else 'torch'.
 
-    The CPU never imports `fla` (it needs triton and a GPU)."""
-    path = "fla" if device.type == "cuda" and fla_kernels() is not None else "torch"
-    _announce(path, device.type)
+    float32 keeps the torch path on CUDA too: FLA's chunked kernels take Triton's TF32 dots
+    for float32 inputs, and float32 is where the GPU is held to the CPU's greedy tokens
+    (docs/GPU.md, tests/gpu/test_gpu_hybrid.py). The CPU never imports `fla`.
+    """
+    usable = device.type == "cuda" and dtype in FLA_DTYPES
+    path = "fla" if usable and fla_kernels() is not None else "torch"
+    _announce(path, device.type, dtype)
     return path
 
 

@@ -1,5 +1,6 @@
-"""Which code runs the gated DeltaNet layers: the torch reference on the CPU (FLA's kernels need
-CUDA, tests/gpu/test_gpu_deltanet.py), and the varlen layout the FLA path reads the spans as."""
+"""Which code runs the gated DeltaNet layers: the torch reference on the CPU and for float32
+(FLA's kernels need CUDA and run bf16 / fp16 here, tests/gpu/test_gpu_deltanet.py), and the
+varlen layout the FLA path reads the spans as."""
 
 from __future__ import annotations
 
@@ -11,10 +12,16 @@ import torch
 from strata.models.deltanet_fla import backend_for, varlen_layout
 
 
-def test_the_cpu_takes_the_torch_path_without_importing_fla() -> None:
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+def test_the_cpu_takes_the_torch_path_without_importing_fla(dtype: torch.dtype) -> None:
     had_fla = "fla" in sys.modules
-    assert backend_for(torch.device("cpu")) == "torch"
+    assert backend_for(torch.device("cpu"), dtype) == "torch"
     assert ("fla" in sys.modules) == had_fla
+
+
+def test_float32_takes_the_torch_path_on_cuda_too() -> None:
+    """FLA's float32 products are TF32; float32 is held to the CPU's tokens (docs/GPU.md)."""
+    assert backend_for(torch.device("cuda"), torch.float32) == "torch"
 
 
 def test_spans_become_cu_seqlens_with_decode_rows_apart() -> None:
