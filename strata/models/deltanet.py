@@ -27,6 +27,13 @@ from torch import nn
 
 from strata.kv.state import StateContext, StateShapes
 from strata.models.base import ModelConfig
+from strata.models.deltanet_fla import (
+    backend_for,
+    fla_conv,
+    fla_delta_rule,
+    fla_kernels,
+    varlen_layout,
+)
 from strata.models.dense import Linear
 
 CHUNK = 64
@@ -182,6 +189,10 @@ class GatedDeltaNet(nn.Module):
         mixed = torch.cat((q.reshape(t, -1), k.reshape(t, -1), v.reshape(t, -1)), dim=-1)
         return mixed, z.reshape(t, self.hv, self.dv), b.reshape(t, self.hv), a.reshape(t, self.hv)
 
+    def _gates(self, b: torch.Tensor, a: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """beta (the delta rule's strength) and g (the log decay, float32) from b and a."""
+        return b.sigmoid(), -self.A_log.float().exp() * F.softplus(a.float() + self.dt_bias)
+
     def _mix(self, mixed: torch.Tensor, b: torch.Tensor, a: torch.Tensor, conv: torch.Tensor,
              ssm: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """B sequences of T rows each (mixed [B, T, conv_dim], b and a [B, T, Hv]) from their
@@ -193,29 +204,27 @@ class GatedDeltaNet(nn.Module):
         q = q.reshape(bsz, t, self.hk, self.dk)
         k = k.reshape(bsz, t, self.hk, self.dk)
         v = v.reshape(bsz, t, self.hv, self.dv)
-        beta = b.sigmoid()
-        g = -self.A_log.float().exp() * F.softplus(a.float() + self.dt_bias)
+        beta, g = self._gates(b, a)
         rule = recurrent_gated_delta_rule if t == 1 else chunk_gated_delta_rule
         out, ssm = rule(q, k, v, g, beta, ssm)
         return out, conv, ssm
 
-    def forward(self, x: torch.Tensor, states: StateContext | None) -> torch.Tensor:
-        """x [T, hidden] -> [T, hidden]: each span of `states` continues its sequence's state.
+    def mix_spans_torch(self, mixed: torch.Tensor, b: torch.Tensor, a: torch.Tensor, conv: torch.Tensor,
+                        ssm: torch.Tensor, spans: list[tuple[int, int]]
+                        ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The step's rows (mixed [T, conv_dim], b and a [T, Hv]), sequence i's rows at spans[i],
+        from their states (conv [S, conv_dim, K-1], ssm [S, Hv, Dk, Dv]) -> (core output
+        [T, Hv, Dv], new conv tails, new matrix states): the torch reference.
 
         The one-row spans (decode) are computed together; each longer span (a prompt or a part
         of one) by itself in the chunked form.
         """
-        if states is None:
-            raise ValueError("a gated DeltaNet layer needs a StateContext for its recurrent state")
-        mixed, z, b, a = self._split(x)
-        before = states.load(self.layer_index)
-        conv, ssm = before["conv"].clone(), before["ssm"].clone()
-        out = torch.empty(x.shape[0], self.hv, self.dv, dtype=x.dtype, device=x.device)
-        spans = states.spans
+        conv, ssm = conv.clone(), ssm.clone()
+        out = torch.empty(mixed.shape[0], self.hv, self.dv, dtype=mixed.dtype, device=mixed.device)
         single = [i for i, (_, n) in enumerate(spans) if n == 1]
         if single:
-            seqs = torch.tensor(single, device=x.device)
-            rows = torch.tensor([spans[i][0] for i in single], device=x.device)
+            seqs = torch.tensor(single, device=mixed.device)
+            rows = torch.tensor([spans[i][0] for i in single], device=mixed.device)
             o, conv[seqs], ssm[seqs] = self._mix(mixed[rows, None], b[rows, None], a[rows, None],
                                                  conv[seqs], ssm[seqs])
             out[rows] = o[:, 0]
@@ -225,6 +234,38 @@ class GatedDeltaNet(nn.Module):
                 o, conv[i : i + 1], ssm[i : i + 1] = self._mix(mixed[None, part], b[None, part],
                                                                a[None, part], conv[i : i + 1], ssm[i : i + 1])
                 out[part] = o[0]
+        return out, conv, ssm
+
+    def mix_spans_fla(self, mixed: torch.Tensor, b: torch.Tensor, a: torch.Tensor, conv: torch.Tensor,
+                      ssm: torch.Tensor, spans: list[tuple[int, int]]
+                      ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """`mix_spans_torch` through flash-linear-attention's kernels (CUDA, `deltanet_fla.py`):
+        one convolution launch for every span, one delta-rule launch for the decode rows and
+        one for the longer spans."""
+        kernels = fla_kernels()
+        if kernels is None:
+            raise RuntimeError("flash-linear-attention (the package fla-core) does not import")
+        layout = varlen_layout(tuple(spans), mixed.device)
+        mixed, conv = fla_conv(kernels, mixed, self.conv1d.weight.squeeze(1), conv, layout)
+        t, key_dim = mixed.shape[0], self.hk * self.dk
+        q, k, v = mixed.split((key_dim, key_dim, self.hv * self.dv), dim=-1)
+        beta, g = self._gates(b, a)
+        out, ssm = fla_delta_rule(kernels, q.view(t, self.hk, self.dk), k.view(t, self.hk, self.dk),
+                                  v.view(t, self.hv, self.dv), g, beta, ssm, layout)
+        return out, conv, ssm
+
+    def forward(self, x: torch.Tensor, states: StateContext | None) -> torch.Tensor:
+        """x [T, hidden] -> [T, hidden]: each span of `states` continues its sequence's state.
+
+        bf16 / fp16 on CUDA with `fla` installed, the spans run through FLA's kernels, else
+        through the torch code (`deltanet_fla.backend_for`).
+        """
+        if states is None:
+            raise ValueError("a gated DeltaNet layer needs a StateContext for its recurrent state")
+        mixed, z, b, a = self._split(x)
+        before = states.load(self.layer_index)
+        mix = self.mix_spans_fla if backend_for(x.device, x.dtype) == "fla" else self.mix_spans_torch
+        out, conv, ssm = mix(mixed, b, a, before["conv"], before["ssm"], states.spans)
         states.save(self.layer_index, {"conv": conv, "ssm": ssm})
         out = self.norm.forward(out, z).reshape(x.shape[0], -1)
         return self.out_proj.forward(out)
