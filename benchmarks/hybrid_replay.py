@@ -42,7 +42,7 @@ from tests.models.tiny_models import save_byte_tokenizer
 ANSWER = 16
 
 
-def write_model(folder: Path, hidden: int, layers: int, tokenizer: str | None = None) -> str:
+def write_model(folder: Path, hidden: int, layers: int, tokenizer: str | None = None, experts: int = 16) -> str:
     """A random Qwen3-Next of `layers` layers (every fourth full attention) in `folder`: the HF
     folder with a byte tokenizer, or with `tokenizer` (a GGUF's) a GGUF file carrying it, as
     llama.cpp's converter writes qwen3next. Returns what to load."""
@@ -59,7 +59,7 @@ def write_model(folder: Path, hidden: int, layers: int, tokenizer: str | None = 
         vocab_size=vocab, hidden_size=hidden, num_hidden_layers=layers, num_attention_heads=hidden // 64,
         num_key_value_heads=2, head_dim=64, intermediate_size=3 * hidden, linear_num_key_heads=hidden // 128,
         linear_num_value_heads=hidden // 64, linear_key_head_dim=64, linear_value_head_dim=64,
-        linear_conv_kernel_dim=4, num_experts=16, num_experts_per_tok=4, moe_intermediate_size=hidden // 2,
+        linear_conv_kernel_dim=4, num_experts=experts, num_experts_per_tok=4, moe_intermediate_size=hidden // 2,
         shared_expert_intermediate_size=hidden, max_position_embeddings=32768, bos_token_id=bos,
         eos_token_id=eos, layer_types=["full_attention" if (i + 1) % 4 == 0 else "linear_attention"
                                        for i in range(layers)])
@@ -141,6 +141,17 @@ def replay(send: Send, system: list[int], steps: list[tuple[str, list[int] | Non
     return rows
 
 
+def long_reads(send: Send, n: int, cut_every: int, reps: int = 2) -> list[float]:
+    """Seconds to the first token of `reps` fresh `n`-token prompts, named cut points every
+    `cut_every` tokens (a long chat's message ends); nothing is reused between them."""
+    out = []
+    for r in range(reps):
+        prompt = torch.randint(3, 255, (n,), generator=torch.Generator().manual_seed(100 + r)).tolist()
+        ttft, _, _ = send(prompt, list(range(cut_every, n, cut_every)))
+        out.append(round(ttft, 4))
+    return out
+
+
 def compare(zero: list[dict[str, Any]], cp: list[dict[str, Any]]) -> dict[str, Any]:
     """Per request: the run with reuse against the one without, and the summary ratios."""
     rows = []
@@ -160,8 +171,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--hidden", type=int, default=512)
     p.add_argument("--layers", type=int, default=8)
     p.add_argument("--device", default="cpu")
+    p.add_argument("--dtype", default="float32", help="the engine's dtype (bfloat16 takes FLA's kernels on CUDA)")
+    p.add_argument("--experts", type=int, default=16)
     p.add_argument("--min-step", type=int, default=512, help="--prompt-cache-min-step of the run with checkpoints")
     p.add_argument("--prefill-chunk", type=int, default=512)
+    p.add_argument("--long", type=int, default=0, metavar="N",
+                   help="also read fresh N-token prompts with checkpoints on and off (the reading cost)")
+    p.add_argument("--long-cut", type=int, default=1024, help="named cut points every so many tokens of them")
     p.add_argument("--gguf", action="store_true", help="load the model as a GGUF (written from the HF model)")
     p.add_argument("--tokenizer", default=".bench/tokenizer.gguf",
                    help="the GGUF whose tokenizer a written GGUF carries (`python -m tools.synth OUT "
@@ -174,20 +190,26 @@ def main(argv: list[str] | None = None) -> int:
     system = torch.randint(3, 255, (args.system,), generator=torch.Generator().manual_seed(2)).tolist()
     with tempfile.TemporaryDirectory() as tmp:
         gguf = args.gguf or args.llama_server is not None
-        model = write_model(Path(tmp), args.hidden, args.layers, args.tokenizer if gguf else None)
-        max_context = args.system + 8 * (args.message + ANSWER) + 64
+        model = write_model(Path(tmp), args.hidden, args.layers, args.tokenizer if gguf else None, args.experts)
+        max_context = max(args.system + 8 * (args.message + ANSWER), args.long) + 64
         runs = {}
         for label, flags in (("from_zero", dict(prefix_reuse=False, ctx_checkpoints=0)),
                              ("checkpoints", dict(prompt_cache_min_step=args.min_step, prompt_cache=4))):
-            cfg = EngineConfig(model=model, device=args.device, dtype="float32", weights="dense", parallel=2,
+            cfg = EngineConfig(model=model, device=args.device, dtype=args.dtype, weights="dense", parallel=2,
                                max_context=max_context, prefill_chunk=args.prefill_chunk, **flags)
             with Engine(cfg) as eng:
                 runs[label] = replay(engine_sender(eng), system, steps)
                 runs[label + "_checkpoints"] = eng.stats()["checkpoints"]
-        out: dict[str, Any] = {"device": args.device, "hidden": args.hidden, "layers": args.layers,
+                if args.long:
+                    runs[label + "_long"] = long_reads(engine_sender(eng), args.long, args.long_cut)
+        out: dict[str, Any] = {"device": args.device, "dtype": args.dtype, "hidden": args.hidden, "layers": args.layers,
                                "system_tokens": args.system, "min_step": args.min_step, "model": Path(model).name,
                                "strata": compare(runs["from_zero"], runs["checkpoints"]),
                                "checkpoints": runs["checkpoints_checkpoints"]}
+        if args.long:
+            zero, cp = runs["from_zero_long"], runs["checkpoints_long"]
+            out["long_prompt"] = {"tokens": args.long, "cut_every": args.long_cut, "from_zero_s": zero,
+                                  "checkpoints_s": cp, "overhead": round(min(cp) / min(zero) - 1, 4)}
         if args.llama_server:
             llama = {}
             for label, extra, cache in (("from_zero", ["--ctx-checkpoints", "0"], False),
