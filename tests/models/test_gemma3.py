@@ -22,6 +22,7 @@ from strata.engine.types import SamplingParams
 from strata.errors import ModelLoadError
 from strata.kv.formats import make_format
 from strata.kv.pool import KvPool
+from strata.kv.state import StatePool
 from strata.kv.step import SeqSpec
 from strata.models import load_model
 from strata.models.config import config_from_gguf
@@ -33,16 +34,19 @@ WINDOW = 8
 @torch.inference_mode()
 def _pool_run(loaded: LoadedModel, ids: list[int], cuts: list[int], n_new: int,
               kernel: bool | None) -> tuple[torch.Tensor, list[int]]:
-    """The prompt read in steps ending at `cuts` through the pool (`TableAttention`, the C++
-    kernel or the torch path), then n_new greedy tokens one a step: (prompt logits, tokens)."""
+    """The prompt read in steps ending at `cuts`: the global layer through the pool
+    (`TableAttention`, the C++ kernel or the torch path), the sliding ones through the state
+    pool; then n_new greedy tokens one a step: (prompt logits, tokens)."""
     cfg, model = loaded.config, loaded.model
-    pool = KvPool(make_format("fp32", cfg.num_kv_heads, cfg.head_dim), cfg.num_layers, 1, 64, 8, None)
+    pool = KvPool(make_format("fp32", cfg.num_kv_heads, cfg.head_dim), model.pool_layers(), 1, 64, 8, None)
+    states = StatePool(model.state_layers(), 1, "cpu", model.state_dtypes())
 
     def step(tokens: list[int], start: int) -> torch.Tensor:
         seq = SeqSpec(0, start, len(tokens))
         assert pool.reserve(0, seq.end)
         ctx = TableAttention(pool, [seq], cfg.attn_scale, kernel=kernel)
-        hidden = model(torch.tensor(tokens), torch.arange(start, seq.end), ctx)
+        hidden = model(torch.tensor(tokens), torch.arange(start, seq.end), ctx,
+                       states=states.step([(0, seq.n)], [0], [start == 0]))
         return model.compute_logits(hidden)
 
     logits, start = [], 0
