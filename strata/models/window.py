@@ -39,7 +39,10 @@ class WindowStep:
     """What every sliding layer of one step shares: where each row's keys are, which ring slots
     the step writes. Built once per forward from the step's positions and row spans."""
 
-    def __init__(self, positions: torch.Tensor, states: StateContext, window: int, scale: float) -> None:
+    def __init__(self, positions: torch.Tensor, states: StateContext, window: int, scale: float,
+                 kernel: bool | None = None) -> None:
+        """kernel: None picks the C++ kernel on the CPU where it is built; False: the torch path."""
+        self.kernel = kernel
         self.states = states
         self.window = window
         self.scale = scale
@@ -84,7 +87,7 @@ class WindowStep:
         hkv, d = k.shape[1], k.shape[2]
         keys = torch.cat((ring_k.reshape(-1, hkv, d).to(k.dtype), k))
         values = torch.cat((ring_v.reshape(-1, hkv, d).to(v.dtype), v))
-        kernel = ops.cpu_kernels(q)
+        kernel = ops.cpu_kernels(q) if self.kernel is not False else None
         if kernel is not None:
             out = kernel.attend(q.contiguous(), keys, values, self.cells, self.row_seq, self.row_pos,
                                 self.scale, self.window)
