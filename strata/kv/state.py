@@ -34,6 +34,7 @@ class StateContext(Protocol):
     """
 
     spans: list[tuple[int, int]]
+    slots: torch.Tensor  # [S] int64: each sequence's slot in the tensors of `in_place`
 
     def load(self, layer: int) -> dict[str, torch.Tensor]:
         """name -> [S, *shape] (float32 unless declared otherwise): each sequence's state before
@@ -42,6 +43,13 @@ class StateContext(Protocol):
 
     def save(self, layer: int, state: dict[str, torch.Tensor]) -> None:
         """name -> [S, *shape]: each sequence's state after its last row."""
+        ...
+
+    def in_place(self, layer: int) -> dict[str, torch.Tensor]:
+        """name -> [slots, *shape]: the layer's state tensors themselves, sequence i's at
+        `slots[i]`, for a layer that reads and writes a few entries of a large state where it
+        lies (a sliding window's ring) instead of copying it through `load` and `save`. Slots of
+        sequences at position 0 are not zeroed: such a layer knows which entries are valid."""
         ...
 
 
@@ -117,6 +125,9 @@ class StepStates:
                 s[self.fresh] = 0
             out[name] = s
         return out
+
+    def in_place(self, layer: int) -> dict[str, torch.Tensor]:
+        return self.pool.layers[layer]
 
     def save(self, layer: int, state: dict[str, torch.Tensor]) -> None:
         for name, t in self.pool.layers[layer].items():

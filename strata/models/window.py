@@ -1,28 +1,33 @@
-"""Sliding-window attention over per-lane state: a window layer keeps only its last W-1 k/v.
+"""Sliding-window attention over per-lane state: a window layer keeps only its window's k/v.
 
-A sliding layer's query at position p sees the keys at p - W + 1 .. p. The
-W - 1 before the step's rows are all such a layer ever needs of the past, so
+A sliding layer's query at position p sees the keys at p - W + 1 .. p. So
+the last W positions are all such a layer ever needs of a conversation, and
 they are the layer's fixed-size state per lane (`kv/state.py`), in the
 model's dtype (the values a pool cell would hold), instead of cells in the
 KV pool: a lane's memory for these layers follows the window, not the
 context, and the model is a state model (resumed from its whole
 conversation or from a checkpoint, `engine/checkpoints.py`).
 
-The state is a ring: position q lives in slot q mod (W - 1). A sequence that
-starts at position s holds min(s, W - 1) valid slots (positions
-max(0, s - W + 1) .. s - 1); a fresh one holds none, so its zeros are never
-read. A step attends over [those cells, in position order] + [the rows' own
-k/v] with the sliding mask, then writes its last W - 1 positions into the
-ring: a decode step writes one slot per sequence.
+The state is a ring of W slots: position q lives in slot q mod W. A
+sequence that starts at position s holds min(s, W) valid slots (positions
+max(0, s - W) .. s - 1); a fresh one none, so whatever its slot held is
+never read. The ring has W slots, not W - 1, so that a decode row can be
+written to its slot before it attends (the slot held position p - W, which
+row p no longer sees) and then read with the rest of its window where it
+lies: a decode step copies nothing but its own k/v. A sequence with several
+rows (prompt reading) gathers its W - 1 cells before the rows, attends over
+[those] + [its rows' k/v] and writes its last W rows into the ring after.
 
-On the CPU the rows go to the same C++ kernel as the pool's attention
-(`kernels/cpu/`), which reads each row's keys in position order one by one:
-a row's bits depend only on its keys, so a sequence read at once, in parts
-or resumed from a checkpoint gives the same bits, and the same bits as the
-pool path did. Elsewhere a padded torch path computes the same attention.
+Either way each row's keys are read in position order by the same C++
+kernel as the pool's attention on the CPU (`kernels/cpu/`), one by one: a
+row's bits depend only on its keys, so a sequence read at once, in parts or
+resumed from a checkpoint gives the same bits (and the bits the pool path
+gave). Elsewhere a padded torch path computes the same attention.
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 
@@ -31,89 +36,132 @@ from strata.models import ops
 
 
 def window_state_shapes(window: int, num_kv_heads: int, head_dim: int) -> StateShapes:
-    """The k and v of the W - 1 positions before a step, per lane."""
-    return {"k": (window - 1, num_kv_heads, head_dim), "v": (window - 1, num_kv_heads, head_dim)}
+    """The k and v of a lane's last `window` positions, a ring indexed by position mod window."""
+    return {"k": (window, num_kv_heads, head_dim), "v": (window, num_kv_heads, head_dim)}
+
+
+@dataclass
+class _Group:
+    """Sequences attended in one kernel call over one key buffer."""
+
+    rows: torch.Tensor  # [R] the step's rows, by sequence then position (on the model's device)
+    cells: torch.Tensor  # [S, L] each sequence's keys in position order, as buffer indices (host)
+    row_seq: torch.Tensor  # [R] each row's sequence in the group (host)
+    row_pos: torch.Tensor  # [R] each row's key count - 1: the kernel's position (host)
+    gather: torch.Tensor | None  # ring cells copied ahead of the rows' own k/v (None: in place)
+    write: torch.Tensor  # [K] ring cells the step writes (flat: slot * W + position mod W)
+    write_rows: torch.Tensor  # [K] the rows they take k/v from
+    padded: tuple[torch.Tensor, ...] | None = None  # the torch path's indices, made on first use
 
 
 class WindowStep:
-    """What every sliding layer of one step shares: where each row's keys are, which ring slots
+    """What every sliding layer of one step shares: where each row's keys are, which ring cells
     the step writes. Built once per forward from the step's positions and row spans."""
 
     def __init__(self, positions: torch.Tensor, states: StateContext, window: int, scale: float,
                  kernel: bool | None = None) -> None:
         """kernel: None picks the C++ kernel on the CPU where it is built; False: the torch path."""
-        self.kernel = kernel
         self.states = states
         self.window = window
         self.scale = scale
-        m = self.ring = window - 1
+        self.kernel = kernel
+        self.device = positions.device
         spans = states.spans
-        starts = positions[torch.tensor([r for r, _ in spans], dtype=torch.int64, device=positions.device)]
-        starts = starts.tolist() if spans else []
-        s_count = len(spans)
-        valid = [min(s, m) for s in starts]  # ring cells each sequence reads
-        lengths = [v + n for v, (_, n) in zip(valid, spans)]
-        width = max(lengths, default=1)
-        # cells[i, j]: sequence i's j-th key, in position order, indexing [ring cells of every
-        # sequence (S * m)] + [the step's rows (T)]; padding reads cell 0 and is never seen
-        cells = torch.zeros(s_count, width, dtype=torch.int64)
-        row_seq, row_pos, w_seq, w_slot, w_row = [], [], [], [], []
-        for i, ((r, n), s, v) in enumerate(zip(spans, starts, valid)):
-            if v:
-                cells[i, :v] = i * m + torch.arange(s - v, s) % m
-            cells[i, v : v + n] = s_count * m + r + torch.arange(n)
+        first_rows = torch.tensor([r for r, _ in spans], dtype=torch.int64, device=positions.device)
+        starts = positions[first_rows].tolist()
+        slots = states.slots.tolist()
+        seqs = list(zip(spans, starts, slots))
+        ones = [x for x in seqs if x[0][1] == 1]
+        more = [x for x in seqs if x[0][1] > 1]
+        self.groups = [g for g in (self._decode(ones), self._prompt(more)) if g is not None]
+
+    def _decode(self, seqs: list) -> _Group | None:
+        """One-row sequences, in place: the row's cell is written first, then its window read."""
+        if not seqs:
+            return None
+        w = self.window
+        s_count = len(seqs)
+        rows = torch.tensor([r for (r, _), _, _ in seqs], dtype=torch.int64)
+        pos = torch.tensor([p for _, p, _ in seqs], dtype=torch.int64)
+        slot = torch.tensor([s for _, _, s in seqs], dtype=torch.int64)
+        count = torch.clamp(pos + 1, max=w)  # keys each row sees, itself included
+        ar = torch.arange(w)
+        key_pos = pos[:, None] - count[:, None] + 1 + ar[None, :]  # [S, W], position order
+        cells = torch.where(ar[None, :] < count[:, None], slot[:, None] * w + key_pos % w, 0)
+        return _Group(rows.to(self.device), cells.contiguous(), torch.arange(s_count), count - 1, None,
+                      (slot * w + pos % w).to(self.device), rows.to(self.device))
+
+    def _prompt(self, seqs: list) -> _Group | None:
+        """Sequences of several rows: their W - 1 ring cells gathered ahead of their rows."""
+        if not seqs:
+            return None
+        w = self.window
+        valid = [min(s, w - 1) for _, s, _ in seqs]
+        gather = torch.cat([slot * w + torch.arange(s - v, s) % w for (_, s, slot), v in zip(seqs, valid)])
+        g_total = gather.numel()
+        width = max(v + n for ((_, n), _, _), v in zip(seqs, valid))
+        cells = torch.zeros(len(seqs), width, dtype=torch.int64)
+        rows, row_seq, row_pos, write, write_rows = [], [], [], [], []
+        g0 = r0 = 0
+        for i, (((r, n), s, slot), v) in enumerate(zip(seqs, valid)):
+            cells[i, :v] = g0 + torch.arange(v)
+            cells[i, v : v + n] = g_total + r0 + torch.arange(n)
+            rows.append(r + torch.arange(n))
             row_seq.append(torch.full((n,), i, dtype=torch.int64))
             row_pos.append(v + torch.arange(n))
-            keep = min(n, m)  # the positions the ring holds after the step: the last m
-            w_seq.append(torch.full((keep,), i, dtype=torch.int64))
-            w_slot.append(torch.arange(s + n - keep, s + n) % m if m else torch.zeros(0, dtype=torch.int64))
-            w_row.append(r + n - keep + torch.arange(keep))
-        self.cells = cells
-        self.row_seq = torch.cat(row_seq) if row_seq else torch.zeros(0, dtype=torch.int64)
-        self.row_pos = torch.cat(row_pos) if row_pos else torch.zeros(0, dtype=torch.int64)
-        dev = positions.device
-        self.write_seq, self.write_slot, self.write_row = (
-            torch.cat(x).to(dev) if x else torch.zeros(0, dtype=torch.int64, device=dev)
-            for x in (w_seq, w_slot, w_row))
-        self.lengths = lengths
-        self.device = dev
-        self._torch: tuple[torch.Tensor, ...] | None = None
+            keep = min(n, w)  # the ring holds the last W positions after the step
+            write.append(slot * w + torch.arange(s + n - keep, s + n) % w)
+            write_rows.append(r + n - keep + torch.arange(keep))
+            g0 += v
+            r0 += n
+        dev = self.device
+        return _Group(torch.cat(rows).to(dev), cells, torch.cat(row_seq), torch.cat(row_pos),
+                      gather.to(dev), torch.cat(write).to(dev), torch.cat(write_rows).to(dev))
 
     def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        """q [T, Hq, D], k/v [T, Hkv, D] of one sliding layer -> [T, Hq, D]; the layer's state
+        """q [T, Hq, D], k/v [T, Hkv, D] of one sliding layer -> [T, Hq, D]; the layer's ring
         moves past the step's rows."""
-        before = self.states.load(layer)
-        ring_k, ring_v = before["k"], before["v"]  # [S, m, Hkv, D]
+        ring = self.states.in_place(layer)
         hkv, d = k.shape[1], k.shape[2]
-        keys = torch.cat((ring_k.reshape(-1, hkv, d).to(k.dtype), k))
-        values = torch.cat((ring_v.reshape(-1, hkv, d).to(v.dtype), v))
+        ring_k, ring_v = ring["k"].view(-1, hkv, d), ring["v"].view(-1, hkv, d)  # [lanes * W, Hkv, D]
+        out = torch.empty_like(q)
         kernel = ops.cpu_kernels(q) if self.kernel is not False else None
-        if kernel is not None:
-            out = kernel.attend(q.contiguous(), keys, values, self.cells, self.row_seq, self.row_pos,
-                                self.scale, self.window)
-        else:
-            out = self._attend_torch(q, keys, values)
-        if self.ring:
-            ring_k[self.write_seq, self.write_slot] = k[self.write_row].to(ring_k.dtype)
-            ring_v[self.write_seq, self.write_slot] = v[self.write_row].to(ring_v.dtype)
-            self.states.save(layer, {"k": ring_k, "v": ring_v})
+        for g in self.groups:
+            qg = q[g.rows]
+            if g.gather is None:  # write first, then read the window where it lies
+                ring_k.index_copy_(0, g.write, k[g.write_rows].to(ring_k.dtype))
+                ring_v.index_copy_(0, g.write, v[g.write_rows].to(ring_v.dtype))
+                keys, values = ring_k, ring_v
+            else:
+                keys = torch.cat((ring_k[g.gather].to(k.dtype), k[g.rows]))
+                values = torch.cat((ring_v[g.gather].to(v.dtype), v[g.rows]))
+            if kernel is not None:
+                og = kernel.attend(qg, keys, values, g.cells, g.row_seq, g.row_pos, self.scale, self.window)
+            else:
+                og = self._attend_torch(g, qg, keys, values)
+            out[g.rows] = og.to(q.dtype)
+            if g.gather is not None:
+                ring_k.index_copy_(0, g.write, k[g.write_rows].to(ring_k.dtype))
+                ring_v.index_copy_(0, g.write, v[g.write_rows].to(ring_v.dtype))
         return out
 
-    def _attend_torch(self, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
-        """The same attention in torch, every sequence padded to the longest (float32 scores)."""
-        if self._torch is None:
-            s_count, width = self.cells.shape
-            nmax = max((n for _, n in self.states.spans), default=1)
+    def _attend_torch(self, g: _Group, q: torch.Tensor, keys: torch.Tensor,
+                      values: torch.Tensor) -> torch.Tensor:
+        """The group's attention in torch, every sequence padded to the longest (float32)."""
+        if g.padded is None:
+            s_count, width = g.cells.shape
+            counts = torch.bincount(g.row_seq, minlength=s_count)
+            nmax = int(counts.max())
+            first = torch.cumsum(counts, 0) - counts
+            col = torch.arange(g.row_seq.numel()) - first[g.row_seq]
             rows = torch.zeros(s_count, nmax, dtype=torch.int64)
             qpos = torch.full((s_count, nmax), -1, dtype=torch.int64)
-            for i, (r, n) in enumerate(self.states.spans):
-                rows[i, :n] = r + torch.arange(n)
-                qpos[i, :n] = self.row_pos[r : r + n]
+            rows[g.row_seq, col] = torch.arange(g.row_seq.numel())
+            qpos[g.row_seq, col] = g.row_pos
             key_pos = torch.arange(width)[None, None, :]
             seen = (key_pos <= qpos[:, :, None]) & (key_pos > qpos[:, :, None] - self.window)
-            real = qpos >= 0
-            self._torch = tuple(t.to(self.device) for t in (self.cells, rows, seen, real))
-        cells, rows, seen, real = self._torch
+            g.padded = tuple(t.to(self.device) for t in (g.cells, rows, seen, qpos >= 0))
+        cells, rows, seen, real = g.padded
         s_count, width = cells.shape
         nmax = rows.shape[1]
         hq, d = q.shape[1], q.shape[2]

@@ -151,9 +151,9 @@ def test_the_pool_holds_only_the_layers_that_attend_over_it(folder: str) -> None
         assert pool.bytes_per_cell() == cell * len(tiny["pool_layers"]) == 256  # every layer: 6x, 4x
         assert pool.total_bytes() == (pool.num_chunks + 1) * pool.chunk_size * 256
         assert states is not None and len(states.layers) == tiny["layers"] - len(tiny["pool_layers"])
-        if kind == "gemma3":  # 3 lanes x 7 cells x 5 sliding layers, in the model's dtype
+        if kind == "gemma3":  # 3 lanes x a ring of 8 cells x 5 sliding layers, in the model's dtype
             assert all(set(named) == {"k", "v"} for named in states.layers.values())
-            assert all(t.shape == (3, tiny["window"] - 1, 1, 32) and t.dtype == torch.float32
+            assert all(t.shape == (3, tiny["window"], 1, 32) and t.dtype == torch.float32
                        for named in states.layers.values() for t in named.values())
-            assert states.total_bytes() == 3 * 7 * 5 * cell == 26880
-            assert states.bytes_per_lane() == 7 * 5 * cell == 8960
+            assert states.total_bytes() == 3 * 8 * 5 * cell == 30720
+            assert states.bytes_per_lane() == 8 * 5 * cell == 10240

@@ -63,11 +63,11 @@ def test_window_state_attends_as_dense_attention(kernel: bool | None) -> None:
             values = torch.stack([kv[1] for kv in history[lane]])
             torch.testing.assert_close(out[r0 : r0 + n], _dense(q[r0 : r0 + n], keys, values, start),
                                        atol=1e-5, rtol=1e-5)
-    assert pool.layers[0]["k"].shape == (lanes, W - 1, HKV, D)  # the window, not the context
-    for lane in range(lanes):  # the ring holds each lane's last W - 1 positions at position mod W - 1
+    assert pool.layers[0]["k"].shape == (lanes, W, HKV, D)  # the window, not the context
+    for lane in range(lanes):  # the ring holds each lane's last W positions at position mod W
         total = len(history[lane])
-        for p in range(total - (W - 1), total):
-            assert torch.equal(pool.layers[0]["k"][pool.slot_of[lane], p % (W - 1)], history[lane][p][0])
+        for p in range(total - W, total):
+            assert torch.equal(pool.layers[0]["k"][pool.slot_of[lane], p % W], history[lane][p][0])
 
 
 def test_a_sequence_at_position_0_reads_nothing_of_its_slot() -> None:
