@@ -12,8 +12,8 @@ What differs from the shared decoder (`layers.py`), each as Hugging Face's
   their own (local, unscaled) RoPE base; the others see everything and use
   the global base and scaling. Both RoPE tables are stacked in the model's
   one pair of tables, global first. Only the global layers keep K/V in the
-  pool (`pool_layers`); a sliding layer keeps the k/v of its last W - 1
-  positions as per-lane state (`window.py`), so Gemma 3 is a state model.
+  pool (`pool_layers`); a sliding layer keeps the k/v of its window as
+  per-lane state (`window.py`), so Gemma 3 is a state model.
 - the attention scale comes from `query_pre_attn_scalar`, and the logits may
   be soft-capped.
 """
@@ -138,9 +138,11 @@ class Gemma3Model(DecoderModel):
         return h
 
     def state_layers(self) -> dict[int, StateShapes]:
-        """The sliding layers: each keeps its window's last W - 1 k/v per lane."""
+        """The sliding layers: each keeps its window's k/v per lane (a ring of W cells)."""
         cfg = self.config
-        assert cfg.sliding_window is not None or not cfg.sliding_layers
+        if not cfg.sliding_layers:
+            return {}
+        assert cfg.sliding_window is not None
         return {i: window_state_shapes(cfg.sliding_window, cfg.num_kv_heads, cfg.head_dim)
                 for i in cfg.sliding_layers}
 
