@@ -49,7 +49,7 @@ def _layer_halves(pool: KvPool, layer: int) -> tuple[Half, Half]:
     if views is None:
         views = [halves(pool.fmt, st) for st in pool.layers]
         _HALVES[pool] = views
-    return views[layer - pool.layer_range.start]
+    return views[pool.local(layer)]
 
 
 def batch_parts(cells: StepCells, keys: torch.Tensor) -> list[torch.Tensor]:

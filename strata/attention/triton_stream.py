@@ -134,7 +134,6 @@ class GpuStreamAttention:
         assert isinstance(pool, StreamedPool)
         store = pool.store
         self.pool, self.store = pool, store
-        self.first = pool.layer_range.start
         self.fmt = pool.fmt
         self.scale = scale
         self.plain = isinstance(pool.fmt, PlainFormat)
@@ -208,7 +207,7 @@ class GpuStreamAttention:
         if window is not None:
             raise NotImplementedError(WINDOW_UNSUPPORTED)
         state, plan = self.state, self.plan
-        layer -= self.first  # the store's own index
+        layer = self.pool.local(layer)  # the store's own index
         if not self.overlap:
             self._enqueue(layer)
         state.before_layer(layer)

@@ -145,9 +145,9 @@ class Engine:
         self.pool: TablePool
         state_shapes = self.loaded.model.state_layers()
         self.states: StatePool | None = None  # a recurrent model's per-lane state (kv/state.py)
-        if mc.sliding_layers and (config.kv_resident is not None or split is not None):
-            raise BadRequest(f"{self.model_name} has sliding-window layers: --kv-resident and a layer "
-                             "split of it are not supported yet", "kv_resident")
+        if mc.sliding_layers and split is not None:
+            raise BadRequest(f"{self.model_name} has sliding-window layers: a layer split of it is not "
+                             "supported yet", "gpus")
         if state_shapes and split is not None:
             raise BadRequest(f"{self.model_name} has recurrent layers: a layer split of it is not "
                              "supported yet", "gpus")
@@ -158,14 +158,16 @@ class Engine:
                 log.info("stage %d: layers %d-%d on %s, KV %.1f MiB", i, st["layers"][0], st["layers"][1] - 1,
                          st.get("device") or st.get("address"), st.get("kv_bytes", 0) / 2**20)
         else:  # K/V in (pinned) host RAM with --kv-resident, N cells per layer on the device
-            self.pool = part_on(shape, range(mc.num_layers), self.device, None)
+            pool_layers = self.loaded.model.pool_layers()  # not the layers with fixed-size state
+            self.pool = part_on(shape, pool_layers, self.device, None)
             if slots is not None:  # the experts take what the pool leaves
                 self._cache_experts(slots)
             if state_shapes:
-                self.states = StatePool(state_shapes, config.parallel, self.device)
+                self.states = StatePool(state_shapes, config.parallel, self.device,
+                                        self.loaded.model.state_dtypes())
             self.runner = Runner(self.loaded.model, self.pool, mc.attn_scale, self.device,
                                  graphs=graph_safe(self.loaded.model), states=self.states,
-                                 windowed=bool(mc.sliding_layers))
+                                 windowed=any(mc.window(i) is not None for i in pool_layers))
             if self.device.type == "cpu":  # a step's time is its threads' work: the governor can judge
                 self.cpu_threads.govern()
         log.info("%s", self.cpu_threads.describe())
@@ -180,7 +182,7 @@ class Engine:
         if self.states is not None:  # a conversation resumes from its state or a checkpoint
             self.checkpoints = Checkpoints(self.states, config.ctx_checkpoints, config.prompt_cache_min_step)
             state_bytes = (config.ctx_checkpoints + 1) * self.states.bytes_per_lane()
-            log.info("recurrent state: %d layers, %.1f MiB a lane; %d checkpoints a conversation",
+            log.info("layer state (recurrent or window): %d layers, %.1f MiB a lane; %d checkpoints a conversation",
                      len(state_shapes), self.states.bytes_per_lane() / 2**20, config.ctx_checkpoints)
         slots, budget = cache_size(config, kept.local_bytes_per_cell() if kept else self.pool.bytes_per_cell(),
                                    state_bytes)

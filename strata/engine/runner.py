@@ -23,7 +23,7 @@ class Runner:
     def __init__(self, model: torch.nn.Module, pool: KvPool, scale: float, device: torch.device,
                  graphs: bool = True, states: StatePool | None = None, windowed: bool = False) -> None:
         """states: a recurrent model's per-lane state (`kv/state.py`); its steps run eagerly.
-        windowed: the model has sliding-window layers (`select.backend_for`)."""
+        windowed: a pool layer attends within a sliding window (`select.backend_for`)."""
         self.model = model
         self.states = states
         self.pool = pool

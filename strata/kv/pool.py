@@ -8,14 +8,19 @@ releasing and moving a conversation between lanes (swapping table rows, no
 K/V copy) happen there.
 
 The device copy of the tables lives at a fixed address (kernels and captured
-graphs read it); the host copy is the scheduler's. A pool may hold a
-contiguous range of the model's layers (one stage of a layer split, sharing
-the split's one `ChunkTables`): layer indices stay the model's,
-`storage(layer)` finds the range's own arrays. Streamed K/V (`--kv-resident`)
-is a subclass, `kv/stream.py: StreamedPool`.
+graphs read it); the host copy is the scheduler's. A pool holds only the
+model layers that attend over it (`DecoderModel.pool_layers()`: a hybrid
+model's recurrent and sliding-window layers keep fixed-size state in
+`kv/state.py` instead), any increasing sequence of them; one stage of a layer
+split holds a contiguous range and shares the split's one `ChunkTables`.
+Layer indices stay the model's: `storage(layer)` finds that layer's arrays,
+`local(layer)` its index among the pool's. Streamed K/V (`--kv-resident`) is
+a subclass, `kv/stream.py: StreamedPool`.
 """
 
 from __future__ import annotations
+
+from collections.abc import Sequence
 
 import torch
 
@@ -24,14 +29,14 @@ from strata.kv.tables import ChunkTables, TablePool
 
 
 class KvPool(TablePool):
-    """Storage of every layer in the pool's range on one device, over the lanes' chunk tables."""
+    """Storage of each of the pool's model layers on one device, over the lanes' chunk tables."""
 
     in_place = True  # attention may read `layers` where they are (a streamed pool: no)
 
     def __init__(
         self,
         fmt: KvFormat,
-        layers: int | range,
+        layers: int | Sequence[int],
         num_lanes: int,
         max_context: int,
         chunk_size: int,
@@ -40,7 +45,8 @@ class KvPool(TablePool):
         pin: bool = False,
         tables: ChunkTables | None = None,
     ) -> None:
-        """`tables`: the split's shared tables (they must have this geometry); None: the pool's own."""
+        """`layers`: the model layers held (an int n: layers 0..n-1), increasing; `tables`: the
+        split's shared tables (they must have this geometry); None: the pool's own."""
         self.chunks = tables or ChunkTables(num_lanes, max_context, chunk_size, pool_tokens)
         if self.chunks.geometry() != (num_lanes, max_context, chunk_size, pool_tokens):
             raise ValueError(f"shared chunk tables of geometry {self.chunks.geometry()} for a pool of "
@@ -48,8 +54,13 @@ class KvPool(TablePool):
         self.fmt = fmt
         self.device = torch.device(device)
         num_cells = (self.num_chunks + 1) * chunk_size
-        self.layer_range = range(layers) if isinstance(layers, int) else layers
-        self.layers: list[Storage] = [fmt.allocate(num_cells, self.device, pin) for _ in self.layer_range]
+        self.layer_ids: tuple[int, ...] = tuple(range(layers)) if isinstance(layers, int) else tuple(layers)
+        if not self.layer_ids or any(b <= a for a, b in zip(self.layer_ids, self.layer_ids[1:])):
+            raise ValueError(f"a pool's layers must be increasing and not empty, not {self.layer_ids}")
+        self._local = {layer: i for i, layer in enumerate(self.layer_ids)}
+        # the model layers from the pool's first to its last: a split's stage holds exactly these
+        self.layer_range = range(self.layer_ids[0], self.layer_ids[-1] + 1)
+        self.layers: list[Storage] = [fmt.allocate(num_cells, self.device, pin) for _ in self.layer_ids]
         self.tables_device = self.chunks.device_copy(self.device)  # fixed address: updated in place
 
     # ---- figures -------------------------------------------------------
@@ -65,9 +76,13 @@ class KvPool(TablePool):
         return sum(t.numel() * t.element_size() for st in self.layers for t in st.values())
 
     # ---- cell I/O -------------------------------------------------------------
+    def local(self, layer: int) -> int:
+        """The pool's own index of model layer `layer` (a KeyError: a layer it does not hold)."""
+        return self._local[layer]
+
     def storage(self, layer: int) -> Storage:
-        """The arrays of model layer `layer` (which must be in `layer_range`)."""
-        return self.layers[layer - self.layer_range.start]
+        """The arrays of model layer `layer` (which must be one of `layer_ids`)."""
+        return self.layers[self._local[layer]]
 
     def write(self, layer: int, cells: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         """Store k, v [T, Hkv, D] of one layer at distinct cell indices `cells` [T]."""

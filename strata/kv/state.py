@@ -1,13 +1,15 @@
 """Per-lane recurrent state beside the KV pool: what a recurrent layer carries between steps.
 
 A recurrent layer (a gated DeltaNet's matrix state and its short
-convolution's tail) has a fixed-size state per lane instead of K/V cells
-that grow with the context. The model declares each such layer's state
-shapes (`state_shapes`), the engine keeps one float32 slot per lane and
-layer (`StatePool`), and every step hands the layers a `StateContext`:
-the step's sequences as row spans, each sequence's state before its rows
-(zeros for one that starts at position 0) and a place to put the state
-after them.
+convolution's tail) or a sliding-window layer (the k/v of its window) has a
+fixed-size state per lane instead of K/V cells that grow with the context.
+The model declares each such layer's state shapes (`state_shapes`) and,
+where a state is not float32, its dtype (a window's k/v stay in the model's
+dtype, so they hold the same values a pool cell would); the engine keeps
+one slot per lane and layer (`StatePool`), and every step hands the layers
+a `StateContext`: the step's sequences as row spans, each sequence's state
+before its rows (zeros for one that starts at position 0) and a place to
+put the state after them.
 
 The state of a lane always belongs to exactly the lane's tokens: unlike a
 prefix of K/V it cannot be cut back, which is why prefix reuse of such a
@@ -21,6 +23,7 @@ from typing import Protocol
 import torch
 
 StateShapes = dict[str, tuple[int, ...]]  # state name -> per-lane shape
+StateDtypes = dict[str, torch.dtype]  # state name -> dtype, where it is not float32
 
 
 class StateContext(Protocol):
@@ -31,30 +34,42 @@ class StateContext(Protocol):
     """
 
     spans: list[tuple[int, int]]
+    slots: torch.Tensor  # [S] int64: each sequence's slot in the tensors of `in_place`
 
     def load(self, layer: int) -> dict[str, torch.Tensor]:
-        """name -> [S, *shape] float32: each sequence's state before its rows (zeros where it
-        starts at position 0)."""
+        """name -> [S, *shape] (float32 unless declared otherwise): each sequence's state before
+        its rows (zeros where it starts at position 0)."""
         ...
 
     def save(self, layer: int, state: dict[str, torch.Tensor]) -> None:
         """name -> [S, *shape]: each sequence's state after its last row."""
         ...
 
+    def in_place(self, layer: int) -> dict[str, torch.Tensor]:
+        """name -> [slots, *shape]: the layer's state tensors themselves, sequence i's at
+        `slots[i]`, for a layer that reads and writes a few entries of a large state where it
+        lies (a sliding window's ring) instead of copying it through `load` and `save`. Slots of
+        sequences at position 0 are not zeroed: such a layer knows which entries are valid."""
+        ...
+
 
 class StatePool:
-    """One float32 slot per lane of every recurrent layer's state, on the model's device.
+    """One slot per lane of every stateful layer's state, on the model's device.
 
     A lane's state lives in slot `slot_of[lane]`; moving a conversation
     between lanes swaps slots (no copy), as the KV pool swaps chunk tables.
     """
 
-    def __init__(self, shapes: dict[int, StateShapes], num_lanes: int, device: torch.device | str) -> None:
+    def __init__(self, shapes: dict[int, StateShapes], num_lanes: int, device: torch.device | str,
+                 dtypes: dict[int, StateDtypes] | None = None) -> None:
+        """dtypes: layer -> name -> dtype of the states that are not float32."""
         self.shapes = shapes
         self.device = torch.device(device)
         self.slot_of = list(range(num_lanes))
+        dtypes = dtypes or {}
         self.layers: dict[int, dict[str, torch.Tensor]] = {
-            layer: {name: torch.zeros((num_lanes, *shape), dtype=torch.float32, device=self.device)
+            layer: {name: torch.zeros((num_lanes, *shape), device=self.device,
+                                      dtype=dtypes.get(layer, {}).get(name, torch.float32))
                     for name, shape in named.items()}
             for layer, named in shapes.items()}
 
@@ -111,6 +126,9 @@ class StepStates:
             out[name] = s
         return out
 
+    def in_place(self, layer: int) -> dict[str, torch.Tensor]:
+        return self.pool.layers[layer]
+
     def save(self, layer: int, state: dict[str, torch.Tensor]) -> None:
         for name, t in self.pool.layers[layer].items():
-            t.index_copy_(0, self.slots, state[name].to(torch.float32))
+            t.index_copy_(0, self.slots, state[name].to(t.dtype))

@@ -37,6 +37,7 @@ first).
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 
 import numpy as np
@@ -367,7 +368,7 @@ class StreamedPool(KvPool):
     def __init__(
         self,
         fmt: KvFormat,
-        layers: int | range,
+        layers: int | Sequence[int],
         num_lanes: int,
         max_context: int,
         chunk_size: int,
@@ -386,10 +387,6 @@ class StreamedPool(KvPool):
         self.device = dev
         self.tables_device = self.chunks.device_copy(dev)
         self.store = StreamStore(self, resident_cells, block_cells, dev, residency, overlap, gather)
-
-    def local(self, layer: int) -> int:
-        """The store's index of model layer `layer`."""
-        return layer - self.layer_range.start
 
     def write(self, layer: int, cells: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         self.store.write(self.local(layer), cells, k, v)

@@ -10,9 +10,10 @@ What differs from the shared decoder (`layers.py`), each as Hugging Face's
 - embeddings are multiplied by sqrt(hidden_size) rounded to their dtype.
 - five of every six layers attend within a sliding window and rotate with
   their own (local, unscaled) RoPE base; the others see everything and use
-  the global base and scaling. The window itself is the attention backend's
-  (`ctx.attend(..., window=W)`); both RoPE tables are stacked in the model's
-  one pair of tables, global first.
+  the global base and scaling. Both RoPE tables are stacked in the model's
+  one pair of tables, global first. Only the global layers keep K/V in the
+  pool (`pool_layers`); a sliding layer keeps the k/v of its window as
+  per-lane state (`window.py`), so Gemma 3 is a state model.
 - the attention scale comes from `query_pre_attn_scalar`, and the logits may
   be soft-capped.
 """
@@ -26,12 +27,13 @@ import torch.nn.functional as F
 from torch import nn
 
 from strata.attention.base import AttentionContext
-from strata.kv.state import StateContext
+from strata.kv.state import StateContext, StateDtypes, StateShapes
 from strata.models.architecture import Architecture
 from strata.models.base import ModelConfig
 from strata.models.dense import MLP
 from strata.models.layers import Attention, DecoderModel, RMSNorm
 from strata.models.rope import inverse_frequencies, rope_tables
+from strata.models.window import WindowStep, window_state_shapes
 
 
 class GemmaRMSNorm(RMSNorm):
@@ -53,12 +55,23 @@ class GeluMLP(MLP):
 
 
 class Gemma3Attention(Attention):
-    """The shared attention with Gemma's per-head q/k norms."""
+    """The shared attention with Gemma's per-head q/k norms; a sliding layer attends over its
+    window's state (`window.py`) instead of the pool."""
 
     def __init__(self, cfg: ModelConfig, layer_index: int) -> None:
         super().__init__(cfg, layer_index)
         self.q_norm = GemmaRMSNorm(cfg.head_dim, cfg.rms_norm_eps)
         self.k_norm = GemmaRMSNorm(cfg.head_dim, cfg.rms_norm_eps)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, ctx: AttentionContext,
+                window: WindowStep | None = None) -> torch.Tensor:
+        if self.window is None:
+            return super().forward(x, cos, sin, ctx)
+        if window is None:
+            raise ValueError("a sliding-window layer needs a StateContext for its window's k/v")
+        q, k, v = self.project(self.qkv_proj.forward(x), cos, sin)
+        out = window.attend(self.layer_index, q, k, v).reshape(x.shape[0], self.q_size)
+        return self.o_proj.forward(out)
 
 
 class Gemma3Layer(nn.Module):
@@ -74,9 +87,11 @@ class Gemma3Layer(nn.Module):
         self.post_feedforward_layernorm = GemmaRMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
     def forward(
-        self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, ctx: AttentionContext
+        self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, ctx: AttentionContext,
+        window: WindowStep | None = None,
     ) -> torch.Tensor:
-        a = self.self_attn.forward(self.input_layernorm.forward(h), cos, sin, ctx)
+        """window: the step's sliding-window state, which only a sliding layer reads."""
+        a = self.self_attn.forward(self.input_layernorm.forward(h), cos, sin, ctx, window)
         h = h + self.post_attention_layernorm.forward(a)
         m = self.mlp.forward(self.pre_feedforward_layernorm.forward(h))
         return h + self.post_feedforward_layernorm.forward(m)
@@ -106,16 +121,35 @@ class Gemma3Model(DecoderModel):
                    start: int = 0, end: int | None = None,
                    rope: tuple[torch.Tensor, torch.Tensor] | None = None,
                    states: StateContext | None = None) -> torch.Tensor:
-        """The shared decoder's `run_layers`, each layer rotating with its own table; `states` is
-        unused (no recurrent layers)."""
+        """The shared decoder's `run_layers`, each layer rotating with its own table; `states`
+        carries the sliding layers' windows."""
         cos_table, sin_table = (self.rope_cos, self.rope_sin) if rope is None else rope
         cos = cos_table[positions]  # [T, 2, D]
         sin = sin_table[positions]
         tables = {False: (cos[:, :1], sin[:, :1]), True: (cos[:, 1:], sin[:, 1:])}  # by sliding
-        for layer in self.layers[start:end]:
+        layers = self.layers[start:end]
+        cfg = self.config
+        window = None
+        if states is not None and any(layer.self_attn.window is not None for layer in layers):
+            window = WindowStep(positions, states, cfg.sliding_window, cfg.attn_scale)
+        for layer in layers:
             c, s = tables[layer.self_attn.window is not None]
-            h = layer.forward(h, c, s, ctx)
+            h = layer.forward(h, c, s, ctx, window)
         return h
+
+    def state_layers(self) -> dict[int, StateShapes]:
+        """The sliding layers: each keeps its window's k/v per lane (a ring of W cells)."""
+        cfg = self.config
+        if not cfg.sliding_layers:
+            return {}
+        assert cfg.sliding_window is not None
+        return {i: window_state_shapes(cfg.sliding_window, cfg.num_kv_heads, cfg.head_dim)
+                for i in cfg.sliding_layers}
+
+    def state_dtypes(self) -> dict[int, StateDtypes]:
+        """The windows' k/v in the model's dtype: the values a pool cell would hold."""
+        dtype = self.norm.weight.dtype
+        return {i: {"k": dtype, "v": dtype} for i in self.config.sliding_layers}
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         logits = super().compute_logits(hidden)

@@ -17,7 +17,7 @@ import torch
 from torch import nn
 
 from strata.attention.base import AttentionContext
-from strata.kv.state import StateContext, StateShapes
+from strata.kv.state import StateContext, StateDtypes, StateShapes
 from strata.models import ops
 from strata.models.base import ModelConfig
 from strata.models.blocks import BlockLinear
@@ -74,6 +74,14 @@ class Attention(nn.Module):
 
         roped: q and k in qkv are rotated already (the one-row product did it); one row only.
         """
+        q, k, v = self.project(qkv, cos, sin, roped)
+        return ctx.attend(self.layer_index, q, k, v, window=self.window).reshape(qkv.shape[0], self.q_size)
+
+    def project(
+        self, qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, roped: bool = False,
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The fused projection [T, width] -> q [T, Hq, D], k and v [T, Hkv, D], contiguous, q and
+        k normed (where the config says so) and rotated."""
         t = qkv.shape[0]
         hq = self.num_heads
         if roped:
@@ -93,7 +101,7 @@ class Attention(nn.Module):
             v = qkv[:, self.qk_heads :].contiguous()
         else:
             q, k, v = ops.rope_qkv(qkv, cos, sin, hq, self.num_kv_heads, self.head_dim)
-        return ctx.attend(self.layer_index, q, k, v, window=self.window).reshape(t, self.q_size)
+        return q, k, v
 
 
 class DecoderLayer(nn.Module):
@@ -196,9 +204,19 @@ class DecoderModel(nn.Module):
         return self.layer_class(cfg, layer_index)
 
     def state_layers(self) -> dict[int, StateShapes]:
-        """The layers that carry recurrent state between steps, with their per-lane state shapes
-        (`kv/state.py`); none here: every layer keeps K/V."""
+        """The layers that carry fixed-size state between steps (recurrent or sliding-window), with
+        their per-lane state shapes (`kv/state.py`); none here: every layer keeps K/V."""
         return {}
+
+    def state_dtypes(self) -> dict[int, StateDtypes]:
+        """layer -> name -> dtype of the states in `state_layers` that are not float32."""
+        return {}
+
+    def pool_layers(self) -> list[int]:
+        """The layers whose K/V live in the KV pool: every layer without fixed-size state (the
+        pool allocates cells for these only)."""
+        stateful = self.state_layers()
+        return [i for i in range(len(self.layers)) if i not in stateful]
 
     @property
     def max_positions(self) -> int:

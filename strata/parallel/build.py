@@ -8,6 +8,7 @@ one `SplitPool` and a `SplitRunner`, and its scheduler never knows.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -39,8 +40,10 @@ class PoolShape:
     resident: int | None  # --kv-resident: cells per layer on the device, or None
 
 
-def part_on(shape: PoolShape, layers: range, device: torch.device, tables: ChunkTables | None) -> KvPool:
-    """A pool of `layers` on `device` over `tables` (a split's shared ones; None: its own)."""
+def part_on(shape: PoolShape, layers: Sequence[int], device: torch.device,
+            tables: ChunkTables | None) -> KvPool:
+    """A pool of model layers `layers` on `device` over `tables` (a split's shared ones; None: its
+    own): a split's stage passes its range, one device the model's `pool_layers()`."""
     if shape.resident is not None:
         return StreamedPool(shape.fmt, layers, shape.lanes, shape.max_context, shape.chunk,
                             shape.pool_tokens, device, resident_cells=shape.resident, tables=tables)

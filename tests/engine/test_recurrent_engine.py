@@ -1,15 +1,19 @@
-"""A recurrent model (tiny Qwen3-Next) served by the engine: resumption through checkpoints.
+"""State models served by the engine: resumption through checkpoints.
 
-Every answer is compared with the same prompt read from token 0 by an engine
-that reuses nothing. A repeat resumes from the checkpoint one token before
-its prompt's end (the first read stopped there too), so it is the same
-arithmetic and must be identical; a later turn resumes from the lane's whole
-state, an edit from the checkpoint before it.
+Both hybrids: tiny Qwen3-Next (gated DeltaNet layers, recurrent state) and
+tiny Gemma 3 (sliding layers of window 8 whose k/v are per-lane state; every
+prompt here is longer than the window). Every answer is compared with the
+same prompt read from token 0 by an engine that reuses nothing. A repeat
+resumes from the checkpoint one token before its prompt's end (the first
+read stopped there too), so it is the same arithmetic and must be identical;
+a later turn resumes from the lane's whole state, an edit from the
+checkpoint before it.
 """
 
 from __future__ import annotations
 
 import pytest
+import torch
 
 from strata.engine.config import EngineConfig
 from strata.engine.engine import Engine
@@ -23,16 +27,17 @@ TURN1 = SYSTEM + [60, 61, 62, 63, 64]
 TURN1_EDITED = SYSTEM + [60, 61, 99, 63, 64]
 
 
-@pytest.fixture(scope="module")
-def folder(tmp_path_factory) -> str:
-    path = tmp_path_factory.mktemp("qwen3next")
-    save_tiny("qwen3_next", path)
+@pytest.fixture(scope="module", params=["qwen3_next", "gemma3"])
+def folder(request, tmp_path_factory) -> str:
+    path = tmp_path_factory.mktemp(request.param)
+    save_tiny(request.param, path)
     save_byte_tokenizer(path)
     return str(path)
 
 
 def _engine(folder: str, **flags) -> Engine:
-    return Engine(EngineConfig(model=folder, device="cpu", dtype="float32", weights="dense", parallel=1,
+    flags = {"parallel": 1, **flags}
+    return Engine(EngineConfig(model=folder, device="cpu", dtype="float32", weights="dense",
                                max_context=128, prefill_chunk=8, **flags))
 
 
@@ -207,3 +212,46 @@ def test_streamed_kv_answers_as_resident(folder: str, fresh) -> None:
         assert first.token_ids == fresh(TURN1)
         assert eng.complete(turn2, GREEDY).token_ids == fresh(turn2)
         assert eng.complete(TURN1, GREEDY).token_ids == first.token_ids
+
+
+def test_a_dropped_state_changes_the_next_turn(folder: str, fresh) -> None:
+    """Negative control: a later turn really continues the lane's state (for gemma3, the window:
+    the turn starts past position 8, so every sliding layer reads its window's 7 cells)."""
+    with _engine(folder) as eng:
+        first = eng.complete(TURN1, GREEDY)
+        turn2 = TURN1 + first.token_ids + [70, 71, 72]
+
+        def drop() -> None:
+            assert eng.states is not None
+            for named in eng.states.layers.values():
+                for t in named.values():
+                    t[eng.states.slot_of[0]].zero_()
+
+        eng.call(drop).result()
+        out = eng.complete(turn2, GREEDY)
+        assert out.cached_tokens == len(TURN1) + len(first.token_ids) - 1
+        assert out.token_ids != fresh(turn2)
+
+
+# the tiny configs (tests/models/tiny_models.py) in float32: one layer's K/V cell is
+# 2 (k, v) x num_kv_heads x head_dim x 4 bytes
+TINY = {"gemma3": dict(layers=6, pool_layers=(5,), kv_heads=1, head_dim=32, window=8),
+        "qwen3_next": dict(layers=4, pool_layers=(3,), kv_heads=2, head_dim=16, window=None)}
+
+
+def test_the_pool_holds_only_the_layers_that_attend_over_it(folder: str) -> None:
+    kind = "gemma3" if "gemma3" in folder else "qwen3_next"
+    tiny = TINY[kind]
+    cell = 2 * tiny["kv_heads"] * tiny["head_dim"] * 4
+    with _engine(folder, parallel=3) as eng:
+        pool, states = eng.pool, eng.states
+        assert pool.layer_ids == tiny["pool_layers"]
+        assert pool.bytes_per_cell() == cell * len(tiny["pool_layers"]) == 256  # every layer: 6x, 4x
+        assert pool.total_bytes() == (pool.num_chunks + 1) * pool.chunk_size * 256
+        assert states is not None and len(states.layers) == tiny["layers"] - len(tiny["pool_layers"])
+        if kind == "gemma3":  # 3 lanes x a ring of 8 cells x 5 sliding layers, in the model's dtype
+            assert all(set(named) == {"k", "v"} for named in states.layers.values())
+            assert all(t.shape == (3, tiny["window"], 1, 32) and t.dtype == torch.float32
+                       for named in states.layers.values() for t in named.values())
+            assert states.total_bytes() == 3 * 8 * 5 * cell == 30720
+            assert states.bytes_per_lane() == 8 * 5 * cell == 10240

@@ -111,3 +111,29 @@ def test_evictions_lru_first_and_only_as_many_as_needed() -> None:
     assert choose_evictions(11, 3, idle) == [1, 2, 0]
     assert choose_evictions(12, 3, idle) is None
     assert choose_evictions(1, 0, [IdleLane(0, 0, 1.0)]) is None
+
+
+def test_a_pool_of_scattered_layers() -> None:
+    """A hybrid model's pool holds only its attention layers, under the model's layer numbers:
+    cells, bytes and export/import runs are of those layers only."""
+    fmt = make_format("bf16", 2, 8)
+    pool = KvPool(fmt, (3, 7), 2, 64, CHUNK, None)
+    every = KvPool(fmt, 8, 2, 64, CHUNK, None)
+    assert pool.layer_ids == (3, 7) and pool.num_layers == 2 and every.num_layers == 8
+    assert pool.bytes_per_cell() == 2 * fmt.cell_bytes() and every.bytes_per_cell() == 8 * fmt.cell_bytes()
+    assert pool.total_bytes() * 4 == every.total_bytes()
+    assert pool.local(7) == 1 and pool.storage(7) is pool.layers[1]
+    with pytest.raises(KeyError):
+        pool.storage(5)  # a recurrent or sliding layer: not in the pool
+    with pytest.raises(ValueError):
+        KvPool(fmt, (7, 3), 2, 64, CHUNK, None)
+    assert pool.reserve(0, 20) and pool.reserve(1, 20)
+    k = torch.randn(20, 2, 8).to(torch.bfloat16)
+    cells = pool.cells_of_range(0, 0, 20)
+    pool.write(3, cells, k, -k)
+    pool.write(7, cells, 2 * k, k)
+    runs = pool.export_range(0, 0, 20)
+    pool.import_range(1, 0, runs)
+    for layer, (want_k, want_v) in {3: (k, -k), 7: (2 * k, k)}.items():
+        got_k, got_v = pool.read(layer, pool.cells_of_range(1, 0, 20), torch.bfloat16)
+        assert torch.equal(got_k, want_k) and torch.equal(got_v, want_v)

@@ -54,8 +54,8 @@ class SkipKStore(SkipHalfStore):
 
 
 def _pools(fmt: str, device: str, store_cls: type[StreamStore] = StreamStore,
-           resident: int = RESIDENT) -> tuple[KvPool, KvPool]:
-    args = (make_format(fmt, HKV, D), LAYERS, SESSIONS, MAX_CONTEXT, CHUNK, POOL_TOKENS)
+           resident: int = RESIDENT, layers: tuple[int, ...] = tuple(range(LAYERS))) -> tuple[KvPool, KvPool]:
+    args = (make_format(fmt, HKV, D), layers, SESSIONS, MAX_CONTEXT, CHUNK, POOL_TOKENS)
     ref = KvPool(*args, device=device)
     streamed = StreamedPool(*args, device=device, resident_cells=resident, block_cells=BLOCK)
     if store_cls is not StreamStore:
@@ -65,20 +65,21 @@ def _pools(fmt: str, device: str, store_cls: type[StreamStore] = StreamStore,
 
 def _step(pools: tuple[KvPool, ...], seqs: list[SeqSpec], gen: torch.Generator,
           device: str) -> list[list[torch.Tensor]]:
-    """One engine step on every pool with the same random q/k/v; outputs per pool and layer."""
+    """One engine step on every pool with the same random q/k/v; outputs per pool and layer (the
+    model's layer indices: a pool may hold any increasing sequence of them)."""
     t = sum(s.n for s in seqs)
+    layers = pools[0].layer_ids
     qkv = [
         (torch.randn(t, HQ, D, generator=gen), torch.randn(t, HKV, D, generator=gen),
          torch.randn(t, HKV, D, generator=gen))
-        for _ in range(LAYERS)
+        for _ in layers
     ]
     outs = []
     for pool in pools:
         for s in seqs:
             assert pool.reserve(s.lane, s.end)
         ctx = TableAttention(pool, seqs, D**-0.5)
-        outs.append([ctx.attend(layer, *(x.to(device, DTYPE) for x in qkv[layer]))
-                     for layer in range(LAYERS)])
+        outs.append([ctx.attend(layer, *(x.to(device, DTYPE) for x in xs)) for layer, xs in zip(layers, qkv)])
     return outs
 
 
@@ -90,11 +91,12 @@ class ParityResult:
 
 
 def _parity(fmt: str, device: str, store_cls: type[StreamStore] = StreamStore,
-            resident: int = RESIDENT, batches: int = 60, seed: int = 0) -> ParityResult:
+            resident: int = RESIDENT, batches: int = 60, seed: int = 0,
+            layers: tuple[int, ...] = tuple(range(LAYERS))) -> ParityResult:
     """Random mixed prompt/decode steps with releases, prefix reuse and moves on both pools."""
     rng = random.Random(seed)
     gen = torch.Generator().manual_seed(seed)
-    pools = _pools(fmt, device, store_cls, resident)
+    pools = _pools(fmt, device, store_cls, resident, layers)
     length = [0] * SESSIONS
     target = [rng.randrange(40, MAX_CONTEXT + 1) for _ in range(SESSIONS)]
     first = None
@@ -147,6 +149,14 @@ def test_streamed_attention_equals_resident_bitwise(fmt: str, device: str, resid
     assert f["misses"] > 0 and f["overflow_blocks"] > 0 and f["hits"] > 0
     if device == "cuda":  # the host store is pinned, so copies into the cache can be asynchronous
         assert f["pinned_bytes"] == f["host_bytes"] > 0
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("fmt", ["bf16", "k8v4"])
+def test_streamed_attention_equals_resident_over_scattered_layers(fmt: str, device: str) -> None:
+    """A hybrid model's pool: only its attention layers (here model layers 1, 4 and 5)."""
+    res = _parity(fmt, device, layers=(1, 4, 5), batches=30)
+    assert res.first_difference is None and res.figures["misses"] > 0
 
 
 @pytest.mark.parametrize("store_cls", [SkipHalfStore, SkipKStore], ids=["skip-v", "skip-k"])

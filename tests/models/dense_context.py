@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from strata.kv.state import StateShapes
+from strata.kv.state import StateDtypes, StateShapes
 from strata.models.base import ModelConfig
 
 
@@ -55,12 +55,31 @@ class DenseStates:
     """Recurrent state of the sequences of a step, kept per sequence: sequence i of the step is
     `seqs[i]`, whose state starts as zeros."""
 
-    def __init__(self, shapes: dict[int, StateShapes], device: torch.device | str = "cpu") -> None:
+    MAX_SEQS = 16  # sequences `in_place` holds state for
+
+    def __init__(self, shapes: dict[int, StateShapes], device: torch.device | str = "cpu",
+                 dtypes: dict[int, StateDtypes] | None = None) -> None:
         self.shapes = shapes
         self.device = device
+        self.dtypes = dtypes or {}
         self.state: dict[str, dict[int, dict[str, torch.Tensor]]] = {}
         self.seqs: list[str] = ["0"]
         self.spans: list[tuple[int, int]] = []
+        self.slot_of: dict[str, int] = {}
+        self.held: dict[int, dict[str, torch.Tensor]] = {}
+
+    @property
+    def slots(self) -> torch.Tensor:
+        return torch.tensor([self.slot_of.setdefault(s, len(self.slot_of)) for s in self.seqs],
+                            dtype=torch.int64, device=self.device)
+
+    def in_place(self, layer: int) -> dict[str, torch.Tensor]:
+        if layer not in self.held:
+            self.held[layer] = {
+                name: torch.zeros((self.MAX_SEQS, *shape), device=self.device,
+                                  dtype=self.dtypes.get(layer, {}).get(name, torch.float32))
+                for name, shape in self.shapes[layer].items()}
+        return self.held[layer]
 
     def step(self, spans: list[tuple[int, int]], seqs: list[str] | None = None) -> None:
         """The next step's row spans and which sequence each is (default: the first)."""
@@ -94,7 +113,7 @@ def run(model, ids: list[int], start: int, ctx, states: DenseStates) -> torch.Te
 def prompt_logits(loaded, ids: list[int]) -> torch.Tensor:
     """Logits [T, vocab] for every position of one prompt."""
     ctx = DenseContext(loaded.config)
-    states = DenseStates(loaded.model.state_layers(), loaded.device)
+    states = DenseStates(loaded.model.state_layers(), loaded.device, loaded.model.state_dtypes())
     return loaded.model.compute_logits(run(loaded.model, ids, 0, ctx, states))
 
 
@@ -103,7 +122,7 @@ def greedy(loaded, ids: list[int], n: int) -> list[int]:
     """n greedy tokens after a prompt: one prefill, then one token per step."""
     model = loaded.model
     ctx = DenseContext(loaded.config)
-    states = DenseStates(model.state_layers(), loaded.device)
+    states = DenseStates(model.state_layers(), loaded.device, model.state_dtypes())
     hidden = run(model, ids, 0, ctx, states)
     out = [int(model.compute_logits(hidden[-1:]).argmax(-1))]
     pos = len(ids)

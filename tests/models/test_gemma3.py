@@ -22,7 +22,9 @@ from strata.engine.types import SamplingParams
 from strata.errors import ModelLoadError
 from strata.kv.formats import make_format
 from strata.kv.pool import KvPool
+from strata.kv.state import StatePool
 from strata.kv.step import SeqSpec
+from strata.kv.stream import StreamedPool
 from strata.models import load_model
 from strata.models.config import config_from_gguf
 from strata.models.loader import LoadedModel
@@ -32,17 +34,20 @@ WINDOW = 8
 
 @torch.inference_mode()
 def _pool_run(loaded: LoadedModel, ids: list[int], cuts: list[int], n_new: int,
-              kernel: bool | None) -> tuple[torch.Tensor, list[int]]:
-    """The prompt read in steps ending at `cuts` through the pool (`TableAttention`, the C++
-    kernel or the torch path), then n_new greedy tokens one a step: (prompt logits, tokens)."""
+              kernel: bool | None, fmt: str = "fp32") -> tuple[torch.Tensor, list[int]]:
+    """The prompt read in steps ending at `cuts`: the global layer through the pool
+    (`TableAttention`, the C++ kernel or the torch path), the sliding ones through the state
+    pool; then n_new greedy tokens one a step: (prompt logits, tokens)."""
     cfg, model = loaded.config, loaded.model
-    pool = KvPool(make_format("fp32", cfg.num_kv_heads, cfg.head_dim), cfg.num_layers, 1, 64, 8, None)
+    pool = KvPool(make_format(fmt, cfg.num_kv_heads, cfg.head_dim), model.pool_layers(), 1, 64, 8, None)
+    states = StatePool(model.state_layers(), 1, "cpu", model.state_dtypes())
 
     def step(tokens: list[int], start: int) -> torch.Tensor:
         seq = SeqSpec(0, start, len(tokens))
         assert pool.reserve(0, seq.end)
         ctx = TableAttention(pool, [seq], cfg.attn_scale, kernel=kernel)
-        hidden = model(torch.tensor(tokens), torch.arange(start, seq.end), ctx)
+        hidden = model(torch.tensor(tokens), torch.arange(start, seq.end), ctx,
+                       states=states.step([(0, seq.n)], [0], [start == 0]))
         return model.compute_logits(hidden)
 
     logits, start = [], 0
@@ -81,6 +86,18 @@ def test_pool_steps_match_transformers(folder, kernel: bool | None, cuts: list[i
     logits, tokens = _pool_run(loaded, PROMPT, cuts, 16, kernel)
     torch.testing.assert_close(logits, hf_logits(hf, PROMPT), atol=1e-4, rtol=1e-4)
     assert tokens == hf_greedy(hf, PROMPT, 16)
+
+
+def test_bf16_reads_in_parts_give_the_bits_of_one_read(folder) -> None:
+    """Exactness through the window state: in bfloat16 on the C++ kernels, a prompt read in parts
+    (some ending inside the first window, the window's cells then coming from the state) gives
+    every row the bits of the prompt read at once, and the same decode tokens."""
+    _, path = folder
+    loaded = load_model(path, device="cpu", dtype="bfloat16", weights="dense", progress=False)
+    whole, tokens = _pool_run(loaded, PROMPT, [20], 12, None, "bf16")
+    for cuts in ([11, 20], [3, 8, 9, 20], list(range(1, 21))):
+        logits, got = _pool_run(loaded, PROMPT, cuts, 12, None, "bf16")
+        assert torch.equal(logits, whole) and got == tokens
 
 
 def test_the_window_matters(folder, tmp_path) -> None:
@@ -149,17 +166,25 @@ def test_gguf_defaults_follow_llama_cpp() -> None:
         config_from_gguf("x.gguf", _gguf_meta(attn_logit_softcapping=50.0), [], None)
 
 
-def test_engine_greedy_matches_transformers(folder, tmp_path) -> None:
-    """Two lanes through the engine, prompts read in chunks of 6 tokens: transformers' tokens."""
+@pytest.mark.parametrize("resident", [None, 64], ids=["resident", "streamed"])
+def test_engine_greedy_matches_transformers(folder, tmp_path, resident: int | None) -> None:
+    """Two lanes through the engine, prompts read in chunks of 6 tokens: transformers' tokens;
+    with --kv-resident the global layer's K/V stream like any pool layer's (one block of 64
+    cells on the device for two lanes of up to 64 positions)."""
     hf, _ = folder
     path = tmp_path / "served"
     save_tiny("gemma3", path)
     save_byte_tokenizer(path)
-    prompts = [PROMPT, PROMPT[::-1][:13]]
+    prompts = [PROMPT, PROMPT[::-1][:13] + PROMPT]
     cfg = EngineConfig(model=str(path), device="cpu", dtype="float32", weights="dense", parallel=2,
-                       max_context=64, prefill_chunk=6)
+                       max_context=64, prefill_chunk=6, kv_resident=resident)
     with Engine(cfg) as eng:
         handles = [eng.generate(p, SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True))
                    for p in prompts]
         got = [h.result().token_ids for h in handles]
+        pool = eng.pool
+        stream = eng.stats().get("kv_stream")
     assert got == [hf_greedy(hf, p, 12) for p in prompts]
+    assert pool.layer_ids == (5,)  # the global layer only: the sliding ones keep their window
+    if resident is not None:
+        assert isinstance(pool, StreamedPool) and stream["misses"] > 0
