@@ -31,11 +31,11 @@ from typing import Any, Callable
 
 import torch
 
+from benchmarks.llama_server import LlamaServer
 from strata.engine.config import EngineConfig
 from strata.engine.engine import Engine
 from strata.engine.request import merge_events
 from strata.engine.types import SamplingParams
-from benchmarks.llama_server import LlamaServer
 from tests.models.gguf_export import write_gguf
 from tests.models.tiny_models import save_byte_tokenizer
 
@@ -72,10 +72,10 @@ def write_model(folder: Path, hidden: int, layers: int, tokenizer: str | None = 
     return str(folder)
 
 
-def workload(system: int, message: int) -> list[tuple[str, list[int] | None, str | None]]:
+def workload(system: int, message: int, seed: int = 1) -> list[tuple[str, list[int] | None, str | None]]:
     """(name, new user message, chat) in order; a message of None is a regenerate of the chat's
     last prompt, the chat "A-edit" rewrites A's second message."""
-    g = torch.Generator().manual_seed(1)
+    g = torch.Generator().manual_seed(seed)
 
     def msg() -> list[int]:
         return torch.randint(3, 255, (message,), generator=g).tolist()
@@ -141,7 +141,7 @@ def replay(send: Send, system: list[int], steps: list[tuple[str, list[int] | Non
     return rows
 
 
-def long_reads(send: Send, n: int, cut_every: int, reps: int = 2) -> list[float]:
+def long_reads(send: Send, n: int, cut_every: int, reps: int = 3) -> list[float]:
     """Seconds to the first token of `reps` fresh `n`-token prompts, named cut points every
     `cut_every` tokens (a long chat's message ends); nothing is reused between them."""
     out = []
@@ -175,6 +175,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--experts", type=int, default=16)
     p.add_argument("--min-step", type=int, default=512, help="--prompt-cache-min-step of the run with checkpoints")
     p.add_argument("--prefill-chunk", type=int, default=512)
+    p.add_argument("--passes", type=int, default=1,
+                   help="replay the workload so many times with other tokens of the same lengths and time the "
+                        "last (on a GPU the first sight of a length compiles kernels)")
     p.add_argument("--long", type=int, default=0, metavar="N",
                    help="also read fresh N-token prompts with checkpoints on and off (the reading cost)")
     p.add_argument("--long-cut", type=int, default=1024, help="named cut points every so many tokens of them")
@@ -186,8 +189,8 @@ def main(argv: list[str] | None = None) -> int:
                    help="also replay through this llama-server on the same GGUF (--ctx-checkpoints 8 "
                         "against 0); its TTFT ratios beside Strata's")
     args = p.parse_args(argv)
-    steps = workload(args.system, args.message)
-    system = torch.randint(3, 255, (args.system,), generator=torch.Generator().manual_seed(2)).tolist()
+    passes = [(torch.randint(3, 255, (args.system,), generator=torch.Generator().manual_seed(2 + 10 * k)).tolist(),
+               workload(args.system, args.message, 1 + 10 * k)) for k in range(args.passes)]
     with tempfile.TemporaryDirectory() as tmp:
         gguf = args.gguf or args.llama_server is not None
         model = write_model(Path(tmp), args.hidden, args.layers, args.tokenizer if gguf else None, args.experts)
@@ -198,7 +201,8 @@ def main(argv: list[str] | None = None) -> int:
             cfg = EngineConfig(model=model, device=args.device, dtype=args.dtype, weights="dense", parallel=2,
                                max_context=max_context, prefill_chunk=args.prefill_chunk, **flags)
             with Engine(cfg) as eng:
-                runs[label] = replay(engine_sender(eng), system, steps)
+                for system, steps in passes:  # the same lengths, other tokens: the last pass is timed
+                    runs[label] = replay(engine_sender(eng), system, steps)
                 runs[label + "_checkpoints"] = eng.stats()["checkpoints"]
                 if args.long:
                     runs[label + "_long"] = long_reads(engine_sender(eng), args.long, args.long_cut)
@@ -215,7 +219,8 @@ def main(argv: list[str] | None = None) -> int:
             for label, extra, cache in (("from_zero", ["--ctx-checkpoints", "0"], False),
                                         ("checkpoints", ["--ctx-checkpoints", "8"], True)):
                 with LlamaServer(args.llama_server, model, max_context, extra) as server:
-                    llama[label] = replay(server.sender(ANSWER, cache), system, steps)
+                    for system, steps in passes:
+                        llama[label] = replay(server.sender(ANSWER, cache), system, steps)
                     llama["command"] = server.command
             out["llama_cpp"] = {"command": llama["command"], **compare(llama["from_zero"], llama["checkpoints"])}
             out["strata_vs_llama_ttft"] = {

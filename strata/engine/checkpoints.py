@@ -30,6 +30,7 @@ saved, so they move between lanes, entries and files without a copy.
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field
+from typing import Any
 
 import torch
 
@@ -44,6 +45,14 @@ class Checkpoint:
     state: State
     nbytes: int
     used: int  # a tick: when it was saved or last restored
+    copied: Any = None  # on CUDA, the event after which `state` is on the host (`StatePool.export`)
+
+    def on_host(self) -> State:
+        """The state, once its copy to the host is done (for readers on the host: session files)."""
+        if self.copied is not None:
+            self.copied.synchronize()
+            self.copied = None
+        return self.state
 
 
 @dataclass
@@ -93,6 +102,10 @@ class Checkpoints:
     def __post_init__(self) -> None:
         self.stats.bytes_per_checkpoint = self.pool.bytes_per_lane()
 
+    def _export(self, lane: int) -> tuple[State, int, int, Any]:
+        state, copied = self.pool.export(lane)
+        return state, self.pool.bytes_per_lane(), self._now(), copied
+
     def _now(self) -> int:
         self._tick += 1
         return self._tick
@@ -105,8 +118,7 @@ class Checkpoints:
         if self.per_lane <= 0 or position <= 0:
             return
         held = [c for c in self._held(lane) if c.position != position]
-        state = self.pool.export(lane)
-        held.append(Checkpoint(position, state, self.pool.bytes_per_lane(), self._now()))
+        held.append(Checkpoint(position, *self._export(lane)))
         while len(held) > self.per_lane:
             held.remove(to_drop(held, position))
             self.stats.dropped += 1
@@ -143,7 +155,7 @@ class Checkpoints:
         """The lane's checkpoints and its state at its full `length` (a new one): what a parked
         or saved conversation keeps, ascending by position."""
         held = [c for c in self._held(lane) if c.position < length]
-        now = Checkpoint(length, self.pool.export(lane), self.pool.bytes_per_lane(), self._now())
+        now = Checkpoint(length, *self._export(lane))
         return held + [now]
 
     def install(self, lane: int, states: list[Checkpoint], position: int) -> None:

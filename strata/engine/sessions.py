@@ -184,7 +184,7 @@ class SessionFiles:
 
 def saved(states: list[Checkpoint]) -> list[SavedState]:
     """Checkpoints as a session file's saved states."""
-    return [(c.position, flat_state(c.state)) for c in states]
+    return [(c.position, flat_state(c.on_host())) for c in states]
 
 
 class SessionFilesDisabled(StrataError):

@@ -83,11 +83,21 @@ class StatePool:
     def swap(self, a: int, b: int) -> None:
         self.slot_of[a], self.slot_of[b] = self.slot_of[b], self.slot_of[a]
 
-    def export(self, lane: int) -> dict[int, dict[str, torch.Tensor]]:
-        """A CPU copy of the lane's state (a checkpoint)."""
+    def export(self, lane: int) -> tuple[dict[int, dict[str, torch.Tensor]], torch.cuda.Event | None]:
+        """A host copy of the lane's state (a checkpoint), and on CUDA the event after which it is
+        there: the copy goes to pinned memory without stopping the stream (a prompt read that
+        checkpoints as it goes would otherwise wait for the device at every cut). `load` may take
+        it at once (same stream); a reader on the host waits for the event first."""
         s = self.slot_of[lane]
-        return {layer: {name: t[s].to("cpu", copy=True) for name, t in named.items()}
-                for layer, named in self.layers.items()}
+        if self.device.type != "cuda":
+            return {layer: {name: t[s].to("cpu", copy=True) for name, t in named.items()}
+                    for layer, named in self.layers.items()}, None
+        out = {layer: {name: torch.empty(t.shape[1:], dtype=t.dtype, pin_memory=True).copy_(t[s], non_blocking=True)
+                       for name, t in named.items()}
+               for layer, named in self.layers.items()}
+        done = torch.cuda.Event()
+        done.record()
+        return out, done
 
     def load(self, lane: int, state: dict[int, dict[str, torch.Tensor]] | None) -> None:
         """Set the lane's state to `state` (as `export` returns it); None: zeros (position 0)."""
@@ -97,7 +107,7 @@ class StatePool:
                 if state is None:
                     t[s].zero_()
                 else:
-                    t[s].copy_(state[layer][name])
+                    t[s].copy_(state[layer][name], non_blocking=True)
 
     def step(self, spans: list[tuple[int, int]], lanes: list[int], fresh: list[bool]) -> StepStates:
         """The StateContext of one step: sequence i is lane `lanes[i]`'s rows `spans[i]`,
