@@ -69,15 +69,24 @@ class CheckpointStats:
         return asdict(self)
 
 
+MIN_CUT_GAP = 16  # a cut nearer than this to the one before it saves less than a step costs
+
+
 def cut_points(start: int, length: int, min_step: int, named: list[int] | None = None) -> list[int]:
     """Positions in (start, length) where reading a prompt of `length` tokens from `start`
-    stops to save a checkpoint, ascending."""
+    stops to save a checkpoint, ascending. Each stop costs a step, so a cut within MIN_CUT_GAP
+    tokens after the previous one (or after `start`) is left out; the one before the end stays
+    (a repeat then resumes exactly where the first read stopped)."""
     cuts = set(named or [])
-    if length - 1 > 0:
-        cuts.add(length - 1)
     if min_step > 0:
         cuts.update(range(min_step, length, min_step))
-    return sorted(c for c in cuts if start < c < length)
+    kept: list[int] = []
+    for c in sorted(c for c in cuts if start < c < length - 1):
+        if c - (kept[-1] if kept else start) >= MIN_CUT_GAP:
+            kept.append(c)
+    if start < length - 1:
+        kept.append(length - 1)
+    return kept
 
 
 def to_drop(held: list[Checkpoint], newest: int) -> Checkpoint:

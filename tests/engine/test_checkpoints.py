@@ -24,8 +24,10 @@ def _value(pool: StatePool, lane: int) -> set[float]:
 
 def test_cut_points() -> None:
     assert cut_points(0, 10, 0) == [9]
-    assert cut_points(0, 10, 4) == [4, 8, 9]
-    assert cut_points(5, 10, 4, named=[3, 6]) == [6, 8, 9]
+    assert cut_points(0, 100, 40) == [40, 80, 99]
+    # cuts nearer than MIN_CUT_GAP (16) to the one before them go; the one before the end stays
+    assert cut_points(50, 100, 40, named=[30, 60, 70, 92]) == [70, 92, 99]
+    assert cut_points(0, 10, 4) == [9]
     assert cut_points(0, 1, 0) == []  # a one-token prompt: nothing before its end
 
 
