@@ -141,6 +141,21 @@ def replay(send: Send, system: list[int], steps: list[tuple[str, list[int] | Non
     return rows
 
 
+def profile_turn(send: Send, rows: list[dict[str, Any]], top: int = 25) -> list[str]:
+    """torch.profiler's table of a later turn of a fresh chat (its first turn read unprofiled):
+    where a step's host time goes."""
+    from torch.profiler import ProfilerActivity, profile
+
+    g = torch.Generator().manual_seed(77)
+    prompt = torch.randint(3, 255, (rows[0]["prompt_tokens"],), generator=g).tolist()
+    _, _, answer = send(prompt, [])
+    turn = prompt + answer + torch.randint(3, 255, (64,), generator=g).tolist()
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
+    with profile(activities=activities) as prof:
+        send(turn, [len(prompt), len(prompt) + len(answer)])
+    return prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=top).splitlines()
+
+
 def long_reads(send: Send, n: int, cut_every: int, reps: int = 3) -> list[float]:
     """Seconds to the first token of `reps` fresh `n`-token prompts, named cut points every
     `cut_every` tokens (a long chat's message ends); nothing is reused between them."""
@@ -181,6 +196,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--long", type=int, default=0, metavar="N",
                    help="also read fresh N-token prompts with checkpoints on and off (the reading cost)")
     p.add_argument("--long-cut", type=int, default=1024, help="named cut points every so many tokens of them")
+    p.add_argument("--profile", action="store_true", help="add torch.profiler's table of one later turn")
     p.add_argument("--gguf", action="store_true", help="load the model as a GGUF (written from the HF model)")
     p.add_argument("--tokenizer", default=".bench/tokenizer.gguf",
                    help="the GGUF whose tokenizer a written GGUF carries (`python -m tools.synth OUT "
@@ -206,10 +222,14 @@ def main(argv: list[str] | None = None) -> int:
                 runs[label + "_checkpoints"] = eng.stats()["checkpoints"]
                 if args.long:
                     runs[label + "_long"] = long_reads(engine_sender(eng), args.long, args.long_cut)
+                if args.profile and label == "checkpoints":
+                    runs["profile"] = profile_turn(engine_sender(eng), runs[label])
         out: dict[str, Any] = {"device": args.device, "dtype": args.dtype, "hidden": args.hidden, "layers": args.layers,
                                "system_tokens": args.system, "min_step": args.min_step, "model": Path(model).name,
                                "strata": compare(runs["from_zero"], runs["checkpoints"]),
                                "checkpoints": runs["checkpoints_checkpoints"]}
+        if args.profile:
+            out["profile"] = runs["profile"]
         if args.long:
             zero, cp = runs["from_zero_long"], runs["checkpoints_long"]
             out["long_prompt"] = {"tokens": args.long, "cut_every": args.long_cut, "from_zero_s": zero,
@@ -223,6 +243,8 @@ def main(argv: list[str] | None = None) -> int:
                         llama[label] = replay(server.sender(ANSWER, cache), system, steps)
                     llama["command"] = server.command
             out["llama_cpp"] = {"command": llama["command"], **compare(llama["from_zero"], llama["checkpoints"])}
+            out["answers_equal_llama"] = sum(a["answer"] == b["answer"] for a, b in
+                                             zip(runs["from_zero"], llama["from_zero"])) / len(llama["from_zero"])
             out["strata_vs_llama_ttft"] = {
                 r["request"]: round(q["ttft_checkpoints_s"] / r["ttft_checkpoints_s"], 3)
                 for r, q in zip(out["strata"]["requests"], out["llama_cpp"]["requests"])}
