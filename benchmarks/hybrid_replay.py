@@ -141,18 +141,21 @@ def replay(send: Send, system: list[int], steps: list[tuple[str, list[int] | Non
     return rows
 
 
-def profile_turn(send: Send, rows: list[dict[str, Any]], top: int = 25) -> list[str]:
+def profile_turn(eng: Engine, rows: list[dict[str, Any]], top: int = 25) -> list[str]:
     """torch.profiler's table of a later turn of a fresh chat (its first turn read unprofiled):
-    where a step's host time goes."""
+    where a step's host time goes. The profiler runs on the engine's thread, which runs the steps."""
     from torch.profiler import ProfilerActivity, profile
 
+    send = engine_sender(eng)
     g = torch.Generator().manual_seed(77)
     prompt = torch.randint(3, 255, (rows[0]["prompt_tokens"],), generator=g).tolist()
     _, _, answer = send(prompt, [])
     turn = prompt + answer + torch.randint(3, 255, (64,), generator=g).tolist()
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
-    with profile(activities=activities) as prof:
-        send(turn, [len(prompt), len(prompt) + len(answer)])
+    prof = profile(activities=activities)
+    eng.call(prof.__enter__).result()
+    send(turn, [len(prompt), len(prompt) + len(answer)])
+    eng.call(lambda: prof.__exit__(None, None, None)).result()
     return prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=top).splitlines()
 
 
@@ -223,7 +226,7 @@ def main(argv: list[str] | None = None) -> int:
                 if args.long:
                     runs[label + "_long"] = long_reads(engine_sender(eng), args.long, args.long_cut)
                 if args.profile and label == "checkpoints":
-                    runs["profile"] = profile_turn(engine_sender(eng), runs[label])
+                    runs["profile"] = profile_turn(eng, runs[label])
         out: dict[str, Any] = {"device": args.device, "dtype": args.dtype, "hidden": args.hidden, "layers": args.layers,
                                "system_tokens": args.system, "min_step": args.min_step, "model": Path(model).name,
                                "strata": compare(runs["from_zero"], runs["checkpoints"]),
