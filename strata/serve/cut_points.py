@@ -15,15 +15,9 @@ from __future__ import annotations
 
 from typing import Any
 
+from strata.engine.scheduler import common_prefix
+
 MAX_CUTS = 16  # the root and the last messages' ends: a checkpoint further back rarely pays
-
-
-def shared_length(a: list[int], b: list[int]) -> int:
-    n = min(len(a), len(b))
-    i = 0
-    while i < n and a[i] == b[i]:
-        i += 1
-    return i
 
 
 def message_cut_points(tokenizer: Any, messages: list[dict[str, Any]], template_kwargs: dict[str, Any],
@@ -43,7 +37,7 @@ def message_cut_points(tokenizer: Any, messages: list[dict[str, Any]], template_
             continue
         if not text or not prompt_text.startswith(text):
             continue
-        n = shared_length(tokenizer.encode(text, add_special_tokens=False), prompt_ids)
+        n = common_prefix(tokenizer.encode(text, add_special_tokens=False), prompt_ids)
         if 0 < n < len(prompt_ids):
             cuts.add(n)
     return sorted(cuts)
