@@ -23,14 +23,25 @@ def _lane_state(lane: Any) -> str:
 
 
 def pool_and_lane_figures(sched: Scheduler, pool: TablePool) -> dict[str, Any]:
-    """Cells and bytes of the pool, each lane's state, and what admission has done so far."""
+    """Cells and bytes of the pool, each lane's state, and what admission has done so far.
+
+    Cells are counted three ways because they answer different questions: holding tokens
+    (what the conversations occupy), reserved (what admission can no longer hand out),
+    free (what it still can).
+    """
     lanes = sched.lanes
     c = sched.counters
+    holding = sum(len(lane.tokens) for lane in lanes)  # busy and idle lanes: K/V written and kept
     return {
+        # Per layer, in cells (one token's K/V). Reserved cells are whole chunks held by lanes,
+        # so an idle server whose lanes each keep a short conversation is mostly reserved but
+        # barely used: `pool_usage_fraction` is the figure that follows the tokens.
         "pool_cells_total": pool.total_cells,
-        "pool_cells_used": pool.used_cells,
+        "pool_cells_holding_tokens": holding,
+        "pool_cells_reserved": pool.used_cells,
+        "pool_cells_used": pool.used_cells,  # the older name of pool_cells_reserved, kept for dashboards
         "pool_cells_free": pool.free_cells,
-        "pool_cells_holding_tokens": sum(len(lane.tokens) for lane in lanes),
+        "pool_usage_fraction": holding / pool.total_cells if pool.total_cells else 0.0,
         "pool_bytes": pool.total_bytes(),
         "pool_shared": pool.shared,
         "kv_format": pool.fmt.name,

@@ -105,6 +105,7 @@ class ChunkTables:
 
     @property
     def used_cells(self) -> int:
+        """Cells of the chunks lanes have reserved: whole chunks, not the tokens written in them."""
         return (self.num_chunks - len(self._free)) * self.chunk_size
 
     @property

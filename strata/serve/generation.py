@@ -338,6 +338,7 @@ class Generation:
             self.info.setdefault("finish", self.final.finish_reason.value if self.final.finish_reason else None)
             if self.final.truncated:
                 self.info["truncated"] = True
+        self.metrics.finished(self.info, time.monotonic() - self.started)
 
 
 @dataclasses.dataclass

@@ -31,7 +31,7 @@ class ServeState:
     metrics: ServeMetrics = field(init=False)
 
     def __post_init__(self) -> None:
-        self.metrics = ServeMetrics(self.engine_stats)
+        self.metrics = ServeMetrics(self.engine_stats, lambda: self.model_name)
 
     def engine_stats(self) -> dict[str, Any] | None:
         return None if self.engine is None else self.engine.stats()
