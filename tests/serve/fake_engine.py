@@ -304,13 +304,16 @@ class FakeEngine:
     def stats(self) -> dict[str, Any]:
         busy = [h for h in self.lanes.values() if h is not None]
         used = sum(len(h.prompt_ids) + h.events_sent for h in busy)
+        tokens = {i: self.held.get(i, 0) if h is None else len(h.prompt_ids) for i, h in self.lanes.items()}
         return {
             "pool_cells_total": 4096,
+            "pool_cells_holding_tokens": sum(tokens.values()),
+            "pool_cells_reserved": used,
             "pool_cells_used": used,
             "pool_cells_free": 4096 - used,
+            "pool_usage_fraction": sum(tokens.values()) / 4096,
             "chunks_per_session": {i: (1 if h is not None else 0) for i, h in self.lanes.items()},
-            "tokens_per_session": {i: self.held.get(i, 0) if h is None else len(h.prompt_ids)
-                                   for i, h in self.lanes.items()},
+            "tokens_per_session": tokens,
             "lanes_total": len(self.lanes),
             "lanes_busy": len(busy),
             "lanes_idle": len(self.lanes) - len(busy),

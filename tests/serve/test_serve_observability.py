@@ -2,15 +2,16 @@
 
 from __future__ import annotations
 
+import json
 import logging
 import re
 import time
 
 import httpx
 import pytest
-
 from conftest import ServerThread
 from fake_engine import FakeEngine
+
 from strata.serve import build_app
 
 USER = [{"role": "user", "content": "hi"}]
@@ -63,6 +64,71 @@ def test_metrics_show_requests_tokens_latency_and_engine_gauges(http: httpx.Clie
     assert metric(text, "strata_ready") == 1
 
 
+def metric_or_zero(text: str, name: str, labels: str) -> float:
+    """A labelled series not observed yet is absent from /metrics: read it as 0."""
+    m = re.search("^" + re.escape(name + ("{" + labels + "}" if labels else "")) + r" (\S+)$", text, re.M)
+    return 0.0 if m is None else float(m.group(1))
+
+
+def test_vllm_families_count_what_was_sent_and_returned(server: ServerThread, engine: FakeEngine,
+                                                        http: httpx.Client) -> None:
+    model = 'model_name="fake-model"'
+    before = http.get("/metrics").text
+    usages = [http.post("/v1/chat/completions", json={"model": "m", "messages": USER, "temperature": 0})
+              .json()["usage"] for _ in range(2)]
+    r = http.post("/v1/chat/completions", json={"model": "m", "messages": USER, "max_tokens": 3})
+    assert r.json()["choices"][0]["finish_reason"] == "length"
+    usages.append(r.json()["usage"])
+    body = {"model": "m", "messages": USER, "stream": True, "stream_options": {"include_usage": True}}
+    with http.stream("POST", "/v1/chat/completions", json=body) as s:
+        chunks = [line for line in s.iter_lines() if line.startswith("data: {")]
+    usages.append(json.loads(chunks[-1][len("data: "):])["usage"])
+    wait_for(lambda: metric_or_zero(http.get("/metrics").text, "vllm:e2e_request_latency_seconds_count", model)
+             == metric_or_zero(before, "vllm:e2e_request_latency_seconds_count", model) + 4)
+    text = http.get("/metrics").text
+
+    def grew(name: str, labels: str = model) -> float:
+        return metric_or_zero(text, name, labels) - metric_or_zero(before, name, labels)
+
+    prompt, completion = sum(u["prompt_tokens"] for u in usages), sum(u["completion_tokens"] for u in usages)
+    assert grew("vllm:prompt_tokens_total") == prompt
+    assert grew("vllm:generation_tokens_total") == completion
+    for hist in ("time_to_first_token_seconds", "e2e_request_latency_seconds", "request_prompt_tokens",
+                 "request_generation_tokens"):
+        assert grew(f"vllm:{hist}_count") == 4, hist
+    assert grew("vllm:request_prompt_tokens_sum") == prompt
+    assert grew("vllm:request_generation_tokens_sum") == completion
+    gaps = completion - 4  # every token but each request's first comes after a gap (one token per event)
+    assert grew("vllm:inter_token_latency_seconds_count") == gaps
+    assert grew("vllm:time_per_output_token_seconds_count") == gaps
+    assert grew("strata_inter_token_latency_seconds_count", "") == gaps  # the same observations
+    assert grew("vllm:request_success_total", 'finished_reason="stop",' + model) == 3
+    assert grew("vllm:request_success_total", 'finished_reason="length",' + model) == 1
+    # Gauges read the engine's stats at scrape time: idle lanes still hold their conversations.
+    stats = engine.stats()
+    assert stats["pool_cells_holding_tokens"] > 0 and stats["lanes_busy"] == 0
+    assert metric(text, "vllm:num_requests_running", model) == 0
+    assert metric(text, "vllm:num_requests_waiting", model) == stats["queue_length"]
+    usage = stats["pool_cells_holding_tokens"] / 4096
+    assert metric(text, "vllm:kv_cache_usage_perc", model) == pytest.approx(usage)
+    assert metric(text, "vllm:gpu_cache_usage_perc", model) == pytest.approx(usage)
+    assert metric(text, "strata_engine_pool_usage_fraction") == pytest.approx(usage)
+    assert metric(text, "strata_engine_pool_cells_holding_tokens") == stats["pool_cells_holding_tokens"]
+    assert "# HELP strata_engine_pool_cells_used the older name of pool_cells_reserved" in text
+
+
+def test_vllm_gauges_follow_a_busy_engine() -> None:
+    from strata.serve.metrics import ServeMetrics
+
+    figures = {"lanes_busy": 3, "queue_length": 2, "pool_cells_total": 1000, "pool_cells_holding_tokens": 250}
+    text = ServeMetrics(lambda: figures, lambda: "m1").render().decode()
+    assert metric(text, "vllm:num_requests_running", 'model_name="m1"') == 3
+    assert metric(text, "vllm:num_requests_waiting", 'model_name="m1"') == 2
+    assert metric(text, "vllm:kv_cache_usage_perc", 'model_name="m1"') == 0.25  # from the cells alone
+    loading = ServeMetrics(lambda: None).render().decode()
+    assert "vllm:num_requests_running{" not in loading  # no figures before the model is loaded
+
+
 def test_each_app_has_its_own_registry() -> None:
     a, b = build_app(FakeEngine()), build_app(FakeEngine())
     assert a.state.strata.metrics.registry is not b.state.strata.metrics.registry
@@ -89,7 +155,9 @@ def test_one_log_line_per_request(http: httpx.Client, caplog: pytest.LogCaptureF
 def test_disconnect_mid_stream_cancels_and_frees_the_lane(server: ServerThread, engine: FakeEngine,
                                                           http: httpx.Client) -> None:
     engine.delay = 0.02
-    before = metric(http.get("/metrics").text, "strata_client_disconnects_total")
+    text = http.get("/metrics").text
+    before = metric(text, "strata_client_disconnects_total")
+    aborts = metric_or_zero(text, "vllm:request_success_total", 'finished_reason="abort",model_name="fake-model"')
     with httpx.Client(base_url=server.url, timeout=10) as client:
         body = {"model": "m", "messages": LONG, "stream": True, "temperature": 0}
         with client.stream("POST", "/v1/chat/completions", json=body) as r:
@@ -102,6 +170,8 @@ def test_disconnect_mid_stream_cancels_and_frees_the_lane(server: ServerThread, 
     text = http.get("/metrics").text
     assert metric(text, "strata_engine_lanes_busy") == 0
     assert metric(text, "strata_client_disconnects_total") == before + 1
+    wait_for(lambda: metric_or_zero(http.get("/metrics").text, "vllm:request_success_total",
+                                    'finished_reason="abort",model_name="fake-model"') == aborts + 1)
 
 
 def test_disconnect_while_waiting_for_a_whole_answer(server: ServerThread, engine: FakeEngine,
