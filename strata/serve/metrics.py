@@ -4,6 +4,10 @@ Each app gets its own CollectorRegistry so that several apps (tests, or two
 servers in one process) never share or double-register series. The engine's
 `stats()` is read at scrape time by a custom collector, so /metrics always
 shows the pool as it is now; keys it does not know are rendered generically.
+
+Beside Strata's own names, the families vLLM's dashboards read (`vllm:...`, labelled
+`model_name`) are fed by the same observations and the same stats() read, so a
+Grafana board built for vLLM works unchanged and never disagrees with strata_*.
 """
 
 from __future__ import annotations
@@ -67,8 +71,11 @@ def _number(value: Any) -> float | None:
 class EngineCollector(Collector):
     """Turns engine.stats() into metric families at each scrape."""
 
-    def __init__(self, get_stats: Callable[[], dict[str, Any] | None]) -> None:
+    def __init__(
+        self, get_stats: Callable[[], dict[str, Any] | None], model_name: Callable[[], str] | None = None
+    ) -> None:
         self.get_stats = get_stats
+        self.model_name = model_name  # given: the vLLM-named gauges come with the scrape too
 
     def collect(self) -> Iterator[Metric]:
         try:
@@ -89,6 +96,8 @@ class EngineCollector(Collector):
             family = self._family(str(key), value)
             if family is not None:
                 yield family
+        if stats is not None and self.model_name is not None:
+            yield from vllm_gauges(stats, self.model_name())
 
     @staticmethod
     def _flattened(key: str, value: Any) -> Iterator[Metric]:
@@ -144,38 +153,25 @@ class EngineCollector(Collector):
         return None  # strings, lists: shown in /v1/state only
 
 
-class VllmGauges(Collector):
-    """vLLM's scheduler and cache gauges, read from engine.stats() at each scrape like Strata's own,
-    so dashboards built for vLLM show the same numbers as strata_engine_*."""
-
-    def __init__(self, get_stats: Callable[[], dict[str, Any] | None], model_name: Callable[[], str]) -> None:
-        self.get_stats = get_stats
-        self.model_name = model_name
-
-    def collect(self) -> Iterator[Metric]:
-        try:
-            stats = self.get_stats()
-        except Exception:  # EngineCollector logs it; a scrape still answers
-            return
-        if stats is None:
-            return
-        usage = _number(stats.get("pool_usage_fraction"))
-        if usage is None and stats.get("pool_cells_total"):  # an engine that only counts cells
-            usage = float(stats.get("pool_cells_holding_tokens", 0)) / float(stats["pool_cells_total"])
-        figures = [
-            ("vllm:num_requests_running", "Number of requests running (lanes busy).", stats.get("lanes_busy")),
-            ("vllm:num_requests_waiting", "Number of requests waiting for a lane.", stats.get("queue_length")),
-            ("vllm:kv_cache_usage_perc", "KV-cache usage: cells holding tokens / pool cells. 1 means 100 percent.",
-             usage),
-            ("vllm:gpu_cache_usage_perc", "The older name of vllm:kv_cache_usage_perc (same value).", usage),
-        ]
-        labels = [self.model_name()]
-        for name, doc, value in figures:
-            number = _number(value)
-            if number is not None:
-                family = GaugeMetricFamily(name, doc, labels=["model_name"])
-                family.add_metric(labels, number)
-                yield family
+def vllm_gauges(stats: dict[str, Any], model_name: str) -> Iterator[Metric]:
+    """vLLM's scheduler and cache gauges from the same stats() read as Strata's own, so dashboards
+    built for vLLM show the numbers strata_engine_* shows in the same scrape."""
+    usage = _number(stats.get("pool_usage_fraction"))
+    if usage is None and stats.get("pool_cells_total"):  # an engine that only counts cells
+        usage = float(stats.get("pool_cells_holding_tokens", 0)) / float(stats["pool_cells_total"])
+    figures = [
+        ("vllm:num_requests_running", "Number of requests running (lanes busy).", stats.get("lanes_busy")),
+        ("vllm:num_requests_waiting", "Number of requests waiting for a lane.", stats.get("queue_length")),
+        ("vllm:kv_cache_usage_perc", "KV-cache usage: cells holding tokens / pool cells. 1 means 100 percent.",
+         usage),
+        ("vllm:gpu_cache_usage_perc", "The older name of vllm:kv_cache_usage_perc (same value).", usage),
+    ]
+    for name, doc, value in figures:
+        number = _number(value)
+        if number is not None:
+            family = GaugeMetricFamily(name, doc, labels=["model_name"])
+            family.add_metric([model_name], number)
+            yield family
 
 
 class _Paired:
@@ -270,8 +266,7 @@ class ServeMetrics:
         self.duration = Histogram(
             "strata_request_duration_seconds", "whole request time by endpoint", ["endpoint"], registry=r
         )
-        r.register(EngineCollector(get_stats))
-        r.register(VllmGauges(get_stats, model_name))
+        r.register(EngineCollector(get_stats, model_name))
 
     def finished(self, info: dict[str, Any], seconds: float) -> None:
         """One generation's end, from its access-log record: vLLM's per-request series.
