@@ -140,8 +140,7 @@ class _Answer:
         """A stream's lines for one event: its text, then on the last one the closing answer."""
         if event.progress is not None:
             return
-        if event.text or (self.req.n_probs and event.logprobs) or (
-                self.req.return_tokens and event.token_ids and event.finish_reason is None):
+        if event.text or (self.req.n_probs and event.logprobs) or (self.req.return_tokens and event.token_ids):
             yield _data(self.partial(event.text, event.token_ids, event.logprobs))
         if event.finish_reason is not None:
             yield _data(self.final("", [], None))  # as llama-server: text and tokens came before

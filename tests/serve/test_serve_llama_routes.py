@@ -12,6 +12,7 @@ import pytest
 from fake_engine import BOS, EOS, OFFSET, FakeEngine
 from starlette.testclient import TestClient
 
+from strata.errors import KvPoolFull
 from strata.serve import build_app
 
 TIMINGS = {"prompt_n", "prompt_ms", "prompt_per_token_ms", "prompt_per_second", "predicted_n",
@@ -95,14 +96,27 @@ def test_stream_lines_end_with_stop_true(http: httpx.Client) -> None:
     *parts, last = chunks
     assert parts and all(c["stop"] is False for c in parts)
     assert "".join(c["content"] for c in parts) == whole["content"] == "You said: "
-    assert [t for c in parts for t in c["tokens"]] == ids("You said: hi")
+    assert [t for c in parts for t in c["tokens"]] == ids("You said: hi.")  # the stop string's too
     assert last["stop"] is True and last["content"] == "" and last["stop_type"] == "word"
     assert last["stopping_word"] == "hi." and set(last["timings"]) == TIMINGS
     assert last["tokens_predicted"] == whole["tokens_predicted"]
-    eos = stream(http, prompt="hi")
+    eos = stream(http, prompt="hi", return_tokens=True)
     assert eos[-1]["stop_type"] == "eos" and "".join(c["content"] for c in eos) == "You said: hi."
+    assert [t for c in eos for t in c["tokens"]] == ids("You said: hi.") + [EOS]
     limit = stream(http, prompt="hi", n_predict=3)
     assert limit[-1]["stop_type"] == "limit" and "".join(c["content"] for c in limit) == "You"
+
+
+def test_refusals_and_failures(http: httpx.Client, engine: FakeEngine) -> None:
+    engine.refuse = KvPoolFull("KV pool full", retry_after=3)
+    r = http.post("/completion", json={"prompt": "hi"})
+    assert r.status_code == 503 and r.headers["retry-after"] == "3" and r.json()["error"]["code"] == "kv_pool_full"
+    engine.refuse = None
+    engine.fail_after = 3
+    with http.stream("POST", "/completion", json={"prompt": "hi", "stream": True, **GREEDY}) as r:
+        lines = [line for line in r.iter_lines() if line.startswith("data: ")]
+    assert r.status_code == 200 and "error" in json.loads(lines[-1][6:])  # the headers were out already
+    assert not any(json.loads(line[6:]).get("stop") for line in lines)
 
 
 def test_n_probs(http: httpx.Client) -> None:
