@@ -20,7 +20,7 @@ from starlette.responses import JSONResponse, Response
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 import strata
-from strata.serve import anthropic_api, openai_api, slots
+from strata.serve import anthropic_api, llama_api, openai_api, slots
 from strata.serve.errors import ApiError, error_response
 from strata.serve.state import ENGINE_STOPPED, ServeState, serve_state
 from strata.serve.streaming import ClientDisconnected
@@ -159,6 +159,7 @@ def build_app(
     app.include_router(openai_api.router)
     app.include_router(anthropic_api.router)
     app.include_router(slots.router)  # session files: save/restore a lane under --session-dir
+    app.include_router(llama_api.router)  # llama-server's native routes: /completion, /tokenize, /props
 
     @app.exception_handler(ApiError)
     async def _api_error(request: Request, exc: ApiError) -> Response:
@@ -206,7 +207,7 @@ def build_app(
         })
 
     known = {"/health", "/metrics", "/v1/state"}
-    routers = (openai_api.router, anthropic_api.router, slots.router)
+    routers = (openai_api.router, anthropic_api.router, slots.router, llama_api.router)
     known |= {r.path for router in routers for r in router.routes}
     app.add_middleware(AccessMiddleware, state=state, known_paths=known)
     if cors_origins:  # outermost, so preflights are answered before the key is asked for

@@ -181,7 +181,8 @@ class Generation:
         self._first: asyncio.Future | None = None  # the first event, still on its way
         self._handle_tokens = 0
         self._base_tokens = 0  # completion tokens of earlier handles (after a forced close)
-        self._last_token_time: float | None = None
+        self.first_token_time: float | None = None  # monotonic; prompt time ends here (timings)
+        self.last_token_time: float | None = None
         self._closed = False
 
     @classmethod
@@ -277,14 +278,15 @@ class Generation:
         if not n:
             return
         now = time.monotonic()
-        if self._last_token_time is None:
+        if self.last_token_time is None:
+            self.first_token_time = now
             self.metrics.ttft.observe(now - self.started)
             gaps = [0.0] * (n - 1)  # tokens that came with the first one waited no longer
         else:
-            gaps = [(now - self._last_token_time) / n] * n
+            gaps = [(now - self.last_token_time) / n] * n
         for gap in gaps:
             self.metrics.itl.observe(gap)
-        self._last_token_time = now
+        self.last_token_time = now
 
     def _maybe_force_close(self, event: StreamEvent) -> StreamEvent | None:
         """End thinking that reached its budget: cancel, then continue after a closing tag."""

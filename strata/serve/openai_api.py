@@ -1,4 +1,9 @@
-"""OpenAI endpoints: /v1/chat/completions, /v1/completions, /v1/models."""
+"""OpenAI endpoints: /v1/chat/completions, /v1/completions, /v1/models.
+
+Each is also served without the /v1 prefix, as llama-server serves them, and
+every answer carries llama-server's `timings` (the body, or a stream's
+finishing chunk): the SDKs keep fields they do not know.
+"""
 
 from __future__ import annotations
 
@@ -14,6 +19,7 @@ from starlette.responses import JSONResponse, Response
 
 from strata.engine.types import StreamEvent
 from strata.serve import generation as g
+from strata.serve import llama_format as llama_fmt
 from strata.serve import openai_format as fmt
 from strata.serve.errors import ApiError
 from strata.serve.reasoning import ThinkSplitter, prompt_opens_thinking
@@ -121,13 +127,16 @@ class _Reply:
     def response(self, choice: dict[str, Any], gen: g.Generation) -> JSONResponse:
         return JSONResponse({
             **self._head(), "choices": [choice], "usage": fmt.usage(gen),
-            "system_fingerprint": None,
+            "system_fingerprint": None, "timings": llama_fmt.timings(gen),
         })
 
-    def chunk(self, choice: dict[str, Any]) -> str:
+    def chunk(self, choice: dict[str, Any], gen: g.Generation | None = None) -> str:
+        """One chunk; the finishing one (`gen` given) adds llama-server's timings."""
         body: dict[str, Any] = {**self._head(), "system_fingerprint": None, "choices": [choice]}
         if self.include_usage:
             body["usage"] = None
+        if gen is not None:
+            body["timings"] = llama_fmt.timings(gen)
         return _data(body)
 
     def extra(self, fields: dict[str, Any]) -> str:
@@ -168,6 +177,7 @@ async def _chat_setup(engine: Any, req: ChatCompletionRequest) -> ChatSetup:
 
 
 @router.post("/v1/chat/completions")
+@router.post("/chat/completions")
 async def chat_completions(request: Request) -> Response:
     state = serve_state(request)
     req = await read_body(request, ChatCompletionRequest, UNSUPPORTED_CHAT, IGNORED_OPENAI)
@@ -191,7 +201,7 @@ async def chat_completions(request: Request) -> Response:
                    req.include_usage())
     ids = new_id("call_")
     if req.stream:
-        chunks = _ChatChunks(reply, setup.stream(ids), req, top, gen.started)
+        chunks = _ChatChunks(reply, setup.stream(ids), req, top, gen)
         return g.sse(gen, g.event_stream(request, gen, [chunks.head()], lambda e: chunks.each(splitter, e),
                                          lambda: reply.tail(gen), beat=KEEPALIVE, every=state.keepalive_s))
     out = await g.collect_all(request, gen, splitter)
@@ -211,16 +221,17 @@ class _ChatChunks:
     """The chunks of one streamed chat answer: reasoning, content and tool-call deltas."""
 
     def __init__(self, reply: _Reply, tools: ToolStream | None, req: ChatCompletionRequest, top: int,
-                 started: float) -> None:
+                 gen: g.Generation) -> None:
         self.reply = reply
         self.tools = tools
         self.req = req
         self.top = top
         self.calls = 0
-        self.started = started  # the request's arrival, for prompt_progress time_ms
+        self.gen = gen  # its arrival time (prompt_progress time_ms) and timings
 
     def chunk(self, delta: dict[str, Any], lps: Any = None, final: StreamEvent | None = None) -> str:
-        return self.reply.chunk(_choice({"delta": delta}, lps, final, self.calls > 0))
+        return self.reply.chunk(_choice({"delta": delta}, lps, final, self.calls > 0),
+                                self.gen if final is not None else None)
 
     def head(self) -> str:
         return self.chunk({"role": "assistant", "content": ""})
@@ -241,7 +252,7 @@ class _ChatChunks:
     def each(self, splitter: ThinkSplitter, event: StreamEvent) -> Iterator[str]:
         if event.progress is not None:
             if self.req.return_progress:
-                yield self.reply.extra({"prompt_progress": fmt.prompt_progress(event.progress, self.started)})
+                yield self.reply.extra({"prompt_progress": fmt.prompt_progress(event.progress, self.gen.started)})
             return
         event = _with_stop_string(event, self.req.include_stop_str_in_output)
         end = event.finish_reason is not None
@@ -275,6 +286,7 @@ async def _completion_prompt(state: ServeState, req: CompletionRequest) -> list[
 
 
 @router.post("/v1/completions")
+@router.post("/completions")
 async def completions(request: Request) -> Response:
     state = serve_state(request)
     req = await read_body(request, CompletionRequest, UNSUPPORTED_COMPLETIONS, IGNORED_OPENAI)
@@ -315,7 +327,7 @@ def _completion_stream(
         if event.text or lps and lps["tokens"]:
             yield reply.chunk(_choice({"text": event.text}, lps))
         if event.finish_reason is not None:
-            yield reply.chunk(_choice({"text": ""}, None, event))
+            yield reply.chunk(_choice({"text": ""}, None, event), gen)
 
     return g.event_stream(request, gen, [], each, lambda: reply.tail(gen), beat=KEEPALIVE, every=every)
 
@@ -330,6 +342,7 @@ def _model_card(state: ServeState) -> dict[str, Any]:
 
 
 @router.get("/v1/models")
+@router.get("/models")
 async def list_models(request: Request) -> JSONResponse:
     return JSONResponse({"object": "list", "data": [_model_card(serve_state(request))]})
 

@@ -45,8 +45,16 @@ class FakeTokenizer:
     def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
         return ([BOS] if add_special_tokens else []) + [ord(c) + OFFSET for c in text]
 
-    def decode(self, ids: list[int]) -> str:
-        return "".join(chr(i - OFFSET) for i in ids if i >= OFFSET)
+    def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
+        specials = "" if skip_special_tokens else {BOS: "<s>", EOS: "</s>"}
+        return "".join(chr(i - OFFSET) if i >= OFFSET else (specials.get(i, "") if specials else "")
+                       for i in ids)
+
+    def token_bytes(self, token_id: int) -> bytes:
+        """Characters past U+00FF as their UTF-8 lead byte only: a half character, as byte tokens are."""
+        text = self.decode([token_id], skip_special_tokens=False)
+        raw = text.encode("utf-8", errors="surrogatepass")
+        return raw[:1] if len(text) == 1 and ord(text) > 0xFF else raw
 
     def token_text(self, token_id: int) -> str:
         return self.decode([token_id])

@@ -8,6 +8,7 @@ overlap; each test waits only for the one it uses.
 from __future__ import annotations
 
 import concurrent.futures
+import json
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -148,3 +149,36 @@ def test_default_model_knows_paris(servers: dict[str, ServeProcess]) -> None:
     assert "Paris" in text
     whole = srv.oai().chat.completions.create(model="smol", messages=question, max_tokens=10, **GREEDY)
     assert whole.choices[0].message.content == text
+    bare = httpx.post(f"{srv.url}/chat/completions", timeout=300,
+                      json={"messages": question, "max_tokens": 10, **GREEDY}).json()  # llama-server's path
+    assert bare["choices"][0]["message"]["content"] == text and bare["timings"]["predicted_n"] > 0
+
+
+def test_llama_server_routes_on_the_real_engine(servers: dict[str, ServeProcess]) -> None:
+    """/completion answers what /v1/completions does, from text or ids, whole or streamed."""
+    srv = servers["tiny"].wait_ready()
+    with httpx.Client(base_url=srv.url, timeout=120) as c:
+        prompt = "Once upon a time"
+        oai = c.post("/v1/completions", json={"prompt": prompt, "max_tokens": 8, **GREEDY}).json()
+        whole = c.post("/completion", json={"prompt": prompt, "n_predict": 8, "return_tokens": True,
+                                            "n_probs": 2, **GREEDY}).json()
+        assert whole["content"] == oai["choices"][0]["text"] and whole["stop_type"] == "limit"
+        assert whole["tokens_predicted"] == 8 and len(whole["tokens"]) == 8
+        assert whole["timings"]["predicted_n"] == 8 and oai["timings"]["predicted_n"] == 8
+        probs = whole["completion_probabilities"]
+        assert [p["id"] for p in probs] == whole["tokens"]  # greedy: the chosen token is the top one
+        assert all(p["top_logprobs"][0]["id"] == p["id"] and len(p["top_logprobs"]) == 2 for p in probs)
+        tokens = c.post("/tokenize", json={"content": prompt, "add_special": True}).json()["tokens"]
+        assert whole["tokens_evaluated"] == len(tokens)
+        by_ids = c.post("/completion", json={"prompt": tokens, "n_predict": 8, **GREEDY}).json()
+        assert by_ids["content"] == whole["content"]
+        assert by_ids["timings"]["cache_n"] > 0  # the same prompt again: its K/V is reused
+        assert c.post("/detokenize", json={"tokens": whole["tokens"]}).json()["content"] == whole["content"]
+        with c.stream("POST", "/completion", json={"prompt": prompt, "n_predict": 8, "stream": True,
+                                                    **GREEDY}) as r:
+            chunks = [json.loads(line[6:]) for line in r.iter_lines() if line.startswith("data: ")]
+        assert "".join(ch["content"] for ch in chunks) == whole["content"]
+        assert chunks[-1]["stop"] is True and not any(ch["stop"] for ch in chunks[:-1])
+        props = c.get("/props").json()
+        assert props["total_slots"] == 2 and props["default_generation_settings"]["n_ctx"] == 512
+        assert props["model_path"].endswith("tiny.gguf")
