@@ -78,8 +78,8 @@ def test_part_of_the_layers_on_the_gpu_is_refused_in_one_line() -> None:
 
 
 @pytest.mark.parametrize("argv, words", [
-    (["--kv", "q8_0"], ["--kv", "'int8'", "'k8v4'"]),
-    (["--kv", "nonsense"], ["--kv", "'fp16'"]),
+    (["--kv", "q8_0"], ["--kv", "int8, q4_0, k8v4", "-ctk q8_0 -ctv q8_0"]),
+    (["--kv", "nonsense"], ["--kv", "auto, fp32, fp16"]),
     (["-ctk", "q5_0"], ["-ctk", "'q8_0'", "'q4_0'"]),
     (["-ctv", "iq4_nl"], ["-ctv", "'f16'"]),
     (["-ctk", "q8_0"], ["q8_0", "f16", "q8_0/q4_0 (--kv k8v4)", "q8_0/q8_0 (--kv int8)"]),

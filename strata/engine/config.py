@@ -199,7 +199,7 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--kv-chunk", type=int, default=d.kv_chunk,
                    help="cells per pool chunk (default: 4096, smaller when --kv-pool-tokens would "
                         "otherwise give a lane fewer than 4 chunks; see pool_chunk_size)")
-    g.add_argument("--kv", default=d.kv, choices=KV_CHOICES,
+    g.add_argument("--kv", type=kv_arg, default=d.kv, metavar="{" + ",".join(KV_CHOICES) + "}",
                    help="KV cell format (default: auto = the compute dtype; docs/KV_FORMATS.md)")
     g.add_argument("--cache-type-k", "-ctk", dest="cache_type_k", default=None, choices=CACHE_TYPES,
                    help="llama-server's spelling of --kv, with -ctv: f16/f16 = fp16, bf16/bf16, "
@@ -272,6 +272,16 @@ def add_threads_argument(g: argparse._ArgumentGroup, governed: bool = True) -> N
                    help="CPU threads for torch and the C++ kernels: N forces N; auto (default) takes "
                         "the CPUs of the affinity mask, at most the cgroup's CPU quota"
                         + (fewer if governed else ""))
+
+
+def kv_arg(text: str) -> str:
+    """--kv: one of KV_CHOICES; llama.cpp's names for a format get a pointer to it."""
+    if text in KV_CHOICES:
+        return text
+    same = {(k, v): f for (k, v), f in CACHE_TYPE_PAIRS.items() if k == v}
+    hint = same.get((text, text))
+    hint_text = f" (llama.cpp's {text} cache is --kv {hint}, or -ctk {text} -ctv {text})" if hint else ""
+    raise argparse.ArgumentTypeError(f"choose from {', '.join(KV_CHOICES)}, not {text!r}{hint_text}")
 
 
 def device_arg(text: str) -> str:

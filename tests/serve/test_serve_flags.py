@@ -59,5 +59,5 @@ def test_bad_value_ends_the_server_before_it_binds() -> None:
     proc = subprocess.run([sys.executable, str(FAKE_SERVER), "--port", str(free_port()), "--kv", "q8_0"],
                           capture_output=True, text=True, timeout=60, env=ENV)
     assert proc.returncode == 2
-    assert "Traceback" not in proc.stderr and "invalid choice: 'q8_0'" in proc.stderr
+    assert "Traceback" not in proc.stderr and "not 'q8_0'" in proc.stderr
     assert "binding" not in proc.stderr + proc.stdout
