@@ -8,7 +8,12 @@ import sys
 from pathlib import Path
 from typing import Sequence
 
-from strata.engine.config import add_engine_arguments, config_from_args
+from strata.engine.config import (
+    EngineArgumentParser,
+    add_engine_arguments,
+    config_from_args,
+    version_text,
+)
 from strata.engine.types import SamplingParams
 from strata.errors import BadRequest, StrataError
 
@@ -39,7 +44,9 @@ def sampling_from_args(args: argparse.Namespace) -> SamplingParams:
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="strata", description="Strata: a memory-frugal LLM engine")
-    sub = parser.add_subparsers(dest="command", required=True)
+    parser.add_argument("--version", action="version", version=version_text())
+    # EngineArgumentParser: the flags checked together (-ctk/-ctv, -ngl) fail as usage errors too
+    sub = parser.add_subparsers(dest="command", required=True, parser_class=EngineArgumentParser)
 
     gen = sub.add_parser("generate", help="complete a prompt, streaming the text")
     gen.add_argument("prompt", help="the prompt text")

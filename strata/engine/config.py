@@ -9,12 +9,17 @@ from __future__ import annotations
 import argparse
 from dataclasses import dataclass, fields
 
+import torch
+
+import strata
 from strata.engine.threads import parse_threads
 from strata.errors import BadRequest
 from strata.kv.expert_residency import POLICIES
+from strata.kv.formats import FORMAT_NAMES
 from strata.models.loader import resolve_device
 from strata.models.quantize import WEIGHT_MODES
 from strata.parallel.build import LocalSplit, RemoteSplit
+from strata.parallel.plan import parse_devices
 
 
 @dataclass
@@ -53,6 +58,8 @@ class EngineConfig:
     experts_on: str = "device"  # a MoE model's routed experts: device (all resident) | host
     expert_cache: str | None = None  # device slots per layer with experts on the host: N | auto
     expert_policy: str = "lfru"  # which cached expert gives its slot up: lru | lfu | lfru
+    chat_template: str | None = None  # Jinja text of --chat-template FILE; None = the model's own
+    gpu_layers: int | None = None  # llama-server's -ngl: None or -1 = all; checked once loaded
 
 
 DEFAULT_KV_CHUNK = 4096
@@ -110,13 +117,72 @@ def describe_pool(lanes: int, chunks: int, chunk_cells: int, nbytes: int, kv: st
     return line
 
 
+KV_CHOICES = ("auto", *FORMAT_NAMES)
+# llama.cpp's -ctk/-ctv cache types Strata stores, and the (K, V) pairs a --kv format is.
+# int8 keeps one scale per cell and head where ggml's q8_0 keeps one per 32 values; k8v4
+# rotates V (Hadamard) before its q4_0 blocks (docs/KV_FORMATS.md).
+CACHE_TYPES = ("f32", "f16", "bf16", "q8_0", "q4_0")
+CACHE_TYPE_PAIRS: dict[tuple[str, str], str] = {
+    ("f32", "f32"): "fp32", ("f16", "f16"): "fp16", ("bf16", "bf16"): "bf16",
+    ("q8_0", "q8_0"): "int8", ("q4_0", "q4_0"): "q4_0", ("q8_0", "q4_0"): "k8v4",
+}
+LLAMA_DEFAULT_CACHE_TYPE = "f16"  # what llama-server stores when -ctk or -ctv is left out
+
+
+class EngineArgumentParser(argparse.ArgumentParser):
+    """An ArgumentParser that also checks the engine flags no single value can check alone
+    (the -ctk/-ctv pair, -ngl beside --device), so those mistakes are usage errors too:
+    one line, exit 2, before any model loads. Subcommands get it via parser_class."""
+
+    def parse_known_args(  # type: ignore[override]
+        self, args: list[str] | None = None, namespace: argparse.Namespace | None = None
+    ) -> tuple[argparse.Namespace, list[str]]:
+        ns, rest = super().parse_known_args(args, namespace)
+        try:
+            finish_engine_args(ns)
+        except ValueError as e:
+            self.error(str(e))
+        return ns, rest
+
+
+def finish_engine_args(ns: argparse.Namespace) -> None:
+    """Fold llama-server's spellings into Strata's flags (idempotent: argparse may run it
+    twice); ValueError names what is wrong and what would be right."""
+    k, v = getattr(ns, "cache_type_k", None), getattr(ns, "cache_type_v", None)
+    if k is not None or v is not None:
+        pair = (k or LLAMA_DEFAULT_CACHE_TYPE, v or LLAMA_DEFAULT_CACHE_TYPE)
+        kv = CACHE_TYPE_PAIRS.get(pair)
+        if kv is None:
+            pairs = ", ".join(f"{a}/{b} (--kv {f})" for (a, b), f in CACHE_TYPE_PAIRS.items())
+            raise ValueError(f"-ctk {pair[0]} -ctv {pair[1]}: no Strata KV format stores that pair; "
+                             f"the pairs that exist: {pairs}")
+        if getattr(ns, "kv", "auto") not in ("auto", kv):
+            raise ValueError(f"--kv {ns.kv} contradicts -ctk {pair[0]} -ctv {pair[1]} (= --kv {kv}); give one")
+        ns.kv = kv
+    layers = getattr(ns, "gpu_layers", None)
+    if layers is not None:
+        device = getattr(ns, "device", "auto")
+        if layers == 0 and device not in ("auto", "cpu"):
+            raise ValueError(f"-ngl 0 keeps every layer on the CPU, but --device is {device}")
+        if layers == 0:
+            ns.device = "cpu"
+        elif device == "cpu":
+            raise ValueError(f"-ngl {layers} asks for layers on the GPU, but --device is cpu")
+
+
 def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
-    """Declare every engine flag on `parser` (defaults come from EngineConfig)."""
+    """Declare every engine flag on `parser` (defaults come from EngineConfig); llama-server's
+    and vLLM's spellings are aliases (docs/SERVER.md, "Coming from llama-server or vLLM")."""
     d = EngineConfig()
     g = parser.add_argument_group("engine")
     g.add_argument("--model", "-m", default=d.model,
                    help="a .gguf file or a Hugging Face model folder (default: embedded SmolLM2-135M-Instruct)")
-    g.add_argument("--device", default=d.device, help="auto | cpu | cuda | cuda:N (default: auto)")
+    g.add_argument("--device", type=device_arg, default=d.device, help="auto | cpu | cuda | cuda:N (default: auto)")
+    g.add_argument("--n-gpu-layers", "-ngl", "--gpu-layers", dest="gpu_layers", type=gpu_layers_arg,
+                   default=d.gpu_layers, metavar="N|all",
+                   help="llama-server's spelling: 0 = --device cpu; all, -1 or at least the model's "
+                        "layer count = every layer on the GPU (--device auto picks it); Strata keeps "
+                        "a model whole on one device, so a part is refused (split: --gpus 0,cpu)")
     g.add_argument("--dtype", default=d.dtype, choices=["auto", "float32", "bfloat16", "float16"],
                    help="compute dtype (default: auto = bfloat16)")
     g.add_argument("--weights", default=d.weights, choices=list(WEIGHT_MODES),
@@ -124,15 +190,22 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
                         "and multiplied in place), dense (dequantized), int8 or int4 (weight-only "
                         "re-quantized, CPU); auto = gguf for a quantized GGUF file, else int8 on "
                         "the CPU in bfloat16, dense elsewhere")
-    g.add_argument("--parallel", "-np", type=int, default=d.parallel, help="lanes decoded together")
-    g.add_argument("--max-context", "-c", type=int, default=d.max_context,
+    g.add_argument("--parallel", "-np", "--max-num-seqs", type=int, default=d.parallel,
+                   help="lanes decoded together")
+    g.add_argument("--max-context", "--ctx-size", "-c", "--max-model-len", type=int, default=d.max_context,
                    help="tokens one conversation may reach")
     g.add_argument("--kv-pool-tokens", type=int, default=d.kv_pool_tokens,
                    help="cells in one KV pool shared by all lanes (default: lanes x max-context)")
     g.add_argument("--kv-chunk", type=int, default=d.kv_chunk,
                    help="cells per pool chunk (default: 4096, smaller when --kv-pool-tokens would "
                         "otherwise give a lane fewer than 4 chunks; see pool_chunk_size)")
-    g.add_argument("--kv", default=d.kv, help="KV cell format: auto | fp32 | fp16 | bf16 | int8 | q4_0 | k8v4")
+    g.add_argument("--kv", type=kv_arg, default=d.kv, metavar="{" + ",".join(KV_CHOICES) + "}",
+                   help="KV cell format (default: auto = the compute dtype; docs/KV_FORMATS.md)")
+    g.add_argument("--cache-type-k", "-ctk", dest="cache_type_k", default=None, choices=CACHE_TYPES,
+                   help="llama-server's spelling of --kv, with -ctv: f16/f16 = fp16, bf16/bf16, "
+                        "f32/f32 = fp32, q8_0/q8_0 = int8, q4_0/q4_0, q8_0/q4_0 = k8v4 (default f16)")
+    g.add_argument("--cache-type-v", "-ctv", dest="cache_type_v", default=None, choices=CACHE_TYPES,
+                   help="the V half of -ctk's pair")
     g.add_argument("--kv-resident", type=int, default=d.kv_resident,
                    help="stream K/V: keep this many cells per layer on the device, the rest in host RAM")
     g.add_argument("--prefill-chunk", type=int, default=d.prefill_chunk,
@@ -143,14 +216,23 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
                    help="host RAM (MiB) for parked conversations; 0 = off")
     g.add_argument("--conversation-cache-slots", type=int, default=d.conversation_cache_slots,
                    help="most parked conversations")
-    g.add_argument("--session-dir", default=d.session_dir, help="folder for session files")
+    g.add_argument("--session-dir", "--slot-save-path", default=d.session_dir, help="folder for session files")
     add_threads_argument(g)
-    g.add_argument("--seed", type=int, default=d.seed, help="base seed for sampling")
+    g.add_argument("--seed", "-s", type=int, default=d.seed, help="base seed for sampling")
     g.add_argument("--no-prefix-reuse", dest="prefix_reuse", action="store_false",
                    help="read every prompt from token 0 (no cached or parked K/V is reused)")
     g.add_argument("--pipeline", default=d.pipeline, choices=["auto", "on", "off"],
                    help="greedy decode: launch the next step before post-processing this one, so "
                         "the host's work overlaps the device's (auto: with CUDA-graph decode)")
+    t = parser.add_argument_group("chat template")
+    t.add_argument("--chat-template", type=chat_template_arg, default=d.chat_template, metavar="FILE",
+                   help="render chats with this Jinja template file (or inline template text, as "
+                        "vLLM takes it) instead of the model's own; Strata knows no templates by "
+                        "name (llama-server's chatml, llama3, ... are files here)")
+    t.add_argument("--chat-template-file", dest="chat_template", type=chat_template_arg, metavar="FILE",
+                   help="llama-server's spelling of --chat-template FILE")
+    t.add_argument("--jinja", action="store_true",
+                   help="accepted for llama-server's sake: Strata always renders the model's Jinja template")
     r = parser.add_argument_group("recurrent layers (docs/HYBRID.md)")
     r.add_argument("--ctx-checkpoints", type=int, default=d.ctx_checkpoints, metavar="N",
                    help="a recurrent model's state checkpoints kept per conversation, so an edit or "
@@ -167,7 +249,7 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
     e.add_argument("--expert-policy", default=d.expert_policy, choices=list(POLICIES),
                    help="which cached expert gives its slot up (default: lfru; docs/MOE.md)")
     s = parser.add_argument_group("layer split (docs/STAGES.md)")
-    s.add_argument("--gpus", default=d.gpus,
+    s.add_argument("--gpus", type=gpus_arg, default=d.gpus,
                    help="split the model's layers over these devices in this process: GPU numbers "
                         "(0,1), cuda:N, or cpu (cpu,cpu runs the same code without a GPU)")
     s.add_argument("--split", default=d.split,
@@ -190,6 +272,84 @@ def add_threads_argument(g: argparse._ArgumentGroup, governed: bool = True) -> N
                    help="CPU threads for torch and the C++ kernels: N forces N; auto (default) takes "
                         "the CPUs of the affinity mask, at most the cgroup's CPU quota"
                         + (fewer if governed else ""))
+
+
+def kv_arg(text: str) -> str:
+    """--kv: one of KV_CHOICES; llama.cpp's names for a format get a pointer to it."""
+    if text in KV_CHOICES:
+        return text
+    same = {(k, v): f for (k, v), f in CACHE_TYPE_PAIRS.items() if k == v}
+    hint = same.get((text, text))
+    hint_text = f" (llama.cpp's {text} cache is --kv {hint}, or -ctk {text} -ctv {text})" if hint else ""
+    raise argparse.ArgumentTypeError(f"choose from {', '.join(KV_CHOICES)}, not {text!r}{hint_text}")
+
+
+def device_arg(text: str) -> str:
+    """--device: auto, cpu, cuda or cuda:N, spelled right before the model loads (whether the
+    GPU exists is the loader's question)."""
+    try:
+        ok = text == "auto" or torch.device(text).type in ("cpu", "cuda")
+    except RuntimeError:
+        ok = False
+    if not ok:
+        raise argparse.ArgumentTypeError(f"choose from auto, cpu, cuda, cuda:N, not {text!r}")
+    return text
+
+
+def gpu_layers_arg(text: str) -> int:
+    """-ngl: all, auto or -1 (every layer, as -1), or a count of layers."""
+    if text in ("all", "auto", "-1"):
+        return -1
+    if text.isdigit():
+        return int(text)
+    raise argparse.ArgumentTypeError(f"choose from all, -1 or a number of layers, not {text!r}")
+
+
+def check_gpu_layers(config: EngineConfig, num_layers: int) -> None:
+    """-ngl N below the model's layer count asks for part of it on the GPU, which Strata has no
+    way to do on one device: refused rather than silently putting all of it there."""
+    n = config.gpu_layers
+    if n is not None and 0 < n < num_layers:
+        raise BadRequest(f"-ngl {n}: the model has {num_layers} layers and Strata keeps them on one "
+                         f"device (-ngl all, or -ngl 0 for the CPU; a split: --gpus 0,cpu --split)",
+                         "gpu_layers")
+
+
+def chat_template_arg(text: str) -> str:
+    """--chat-template FILE (or vLLM's inline Jinja text): the template's text, compiled before
+    the model loads. Names are refused: Strata has no built-in templates to look them up in."""
+    from strata.tokenizer.chat_template import compile_template
+
+    inline = "{{" in text or "{%" in text
+    if not inline:
+        try:
+            with open(text, encoding="utf-8") as f:
+                source = f.read()
+        except OSError as e:
+            raise argparse.ArgumentTypeError(
+                f"cannot read {text!r} ({e.strerror}); Strata takes a Jinja template file (or the "
+                "template text itself) and knows no template by name; without the flag the "
+                "model's own template is used") from None
+        except UnicodeDecodeError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not UTF-8 text") from None
+    try:
+        compile_template(text if inline else source)
+    except BadRequest as e:
+        raise argparse.ArgumentTypeError(f"{'the template' if inline else repr(text)}: {e}") from None
+    return text if inline else source
+
+
+def gpus_arg(text: str) -> str:
+    """--gpus: every device named must exist, checked before the model loads."""
+    try:
+        parse_devices(text)
+    except BadRequest as e:
+        raise argparse.ArgumentTypeError(str(e).removeprefix("--gpus: ")) from None
+    return text
+
+
+def version_text() -> str:
+    return f"strata {strata.__version__}"
 
 
 def expert_cache_arg(text: str) -> str:

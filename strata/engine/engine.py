@@ -7,6 +7,7 @@ busy lanes, samples, detokenizes and publishes events to the handles.
 
 from __future__ import annotations
 
+import copy
 import logging
 import threading
 from collections import deque
@@ -20,6 +21,7 @@ from strata.engine.checkpoints import Checkpoints
 from strata.engine.config import (
     EngineConfig,
     cache_size,
+    check_gpu_layers,
     describe_pool,
     expert_slots,
     pool_chunk_size,
@@ -132,7 +134,11 @@ class Engine:
         if self.loaded.model.max_positions < config.max_context:
             self.loaded.model.set_max_positions(config.max_context)
         self.model_config = self.loaded.config
+        check_gpu_layers(config, self.model_config.num_layers)
         self.tokenizer = self.loaded.tokenizer
+        if config.chat_template is not None:  # a copy: a loaded model passed in may be shared
+            self.tokenizer = copy.copy(self.tokenizer)
+            self.tokenizer.use_chat_template(config.chat_template)
         self.model_name = self.loaded.name
         mc = self.model_config
         self.device = next(self.loaded.model.parameters()).device

@@ -40,6 +40,12 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
                    help="send a keep-alive on a stream the engine has been silent on this long "
                         "(queued, or reading a long prompt); default: 5")
     g.add_argument("--log-level", default="info", choices=LOG_LEVELS, help="log verbosity")
+    g.add_argument("--alias", "-a", "--served-model-name", dest="served_model_name", default=None,
+                   metavar="NAME", help="the model name /v1/models and every response report "
+                                        "(default: the model file's or folder's name)")
+    from strata.engine.config import version_text
+
+    g.add_argument("--version", action="version", version=version_text())
 
 
 def _model_label(model: str | None) -> str:
@@ -73,7 +79,8 @@ def run_server(args: argparse.Namespace) -> int:
     if warning is not None:
         log.warning("%s", warning)
     config = config_from_args(args)
-    app = build_app(None, api_key=args.api_key, model_name=_model_label(config.model),
+    alias = getattr(args, "served_model_name", None)
+    app = build_app(None, api_key=args.api_key, model_name=alias or _model_label(config.model),
                     session_dir=config.session_dir, cors_origins=getattr(args, "cors_origin", None),
                     keepalive_s=args.sse_keepalive)
     server = uvicorn.Server(uvicorn.Config(
@@ -97,7 +104,7 @@ def run_server(args: argparse.Namespace) -> int:
                 engine.close()
                 return
             holder["engine"] = engine
-            attach_engine(app, engine)
+            attach_engine(app, engine, model_name=alias)
         log.info("model %s loaded; serving on http://%s:%d", app.state.strata.model_name, args.host, args.port)
 
     threading.Thread(target=load, name="strata-load", daemon=True).start()
@@ -139,9 +146,9 @@ def _is_user_error(exc: Exception) -> bool:
 
 def main(argv: list[str] | None = None) -> int:
     """`python -m strata.serve`: the same flags as `strata serve`."""
-    from strata.engine.config import add_engine_arguments
+    from strata.engine.config import EngineArgumentParser, add_engine_arguments
 
-    parser = argparse.ArgumentParser(prog="strata serve", description="OpenAI- and Anthropic-compatible server")
+    parser = EngineArgumentParser(prog="strata serve", description="OpenAI- and Anthropic-compatible server")
     add_engine_arguments(parser)
     add_serve_arguments(parser)
     return run_server(parser.parse_args(argv))

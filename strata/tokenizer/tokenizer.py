@@ -85,6 +85,12 @@ class Tokenizer:
         probe = backend.encode("", add_special_tokens=True).ids
         self.add_bos_token = bool(probe) and probe[0] == self.bos_token_id
 
+    def use_chat_template(self, template: str) -> None:
+        """Render every chat with `template` (--chat-template): the model's own, its tool_use
+        variant included, no longer apply."""
+        self.chat_templates = {"default": template}
+        self.chat_template = template
+
     # -- construction -------------------------------------------------------------
 
     @classmethod
