@@ -56,6 +56,7 @@ from strata.kv.state import StatePool
 from strata.kv.tables import TablePool
 from strata.memory import device_memory
 from strata.models import load_model
+from strata.models.blocks import weight_bytes
 from strata.models.experts import (
     CacheStats,
     auto_slots,
@@ -257,6 +258,24 @@ class Engine:
     def complete(self, prompt_ids: list[int], params: SamplingParams | None = None) -> StreamEvent:
         """Blocking convenience: the whole result as one event."""
         return self.generate(prompt_ids, params).result()
+
+    def summary(self) -> str:
+        """One line saying what runs: the model, where and how its weights are held, the KV pool,
+        the conversation cache and any per-lane layer state (the server prints it at start-up)."""
+        mc, pool = self.model_config, self.pool
+        weights = sum(weight_bytes(self.loaded.model).values())
+        dtype = str(self.dtype).removeprefix("torch.")
+        parts = [f"{self.model_name} ({mc.arch}, {mc.num_layers} layers) on {self.device}, {dtype}, "
+                 f"weights {self.loaded.weights} {weights / 2**30:.2f} GiB",
+                 f"KV {pool.fmt.name}: {self.config.parallel} lanes, {pool.total_cells} cells in "
+                 f"{pool.num_chunks} chunks of {pool.chunk_size}, {pool.total_bytes() / 2**20:.1f} MiB"]
+        if self.states is not None:
+            parts.append(f"layer state {self.states.total_bytes() / 2**20:.1f} MiB, "
+                         f"{self.config.ctx_checkpoints} checkpoints a conversation")
+        cache = self.conversations
+        parts.append(f"conversation cache {cache.budget_bytes / 2**20:.0f} MiB, {cache.slots} slots"
+                     if cache is not None else "conversation cache off")
+        return "; ".join(parts)
 
     @property
     def wants_cut_points(self) -> bool:

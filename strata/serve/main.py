@@ -105,7 +105,7 @@ def run_server(args: argparse.Namespace) -> int:
                 return
             holder["engine"] = engine
             attach_engine(app, engine, model_name=alias)
-        log.info("model %s loaded; serving on http://%s:%d", app.state.strata.model_name, args.host, args.port)
+        log.info("loaded %s; serving on http://%s:%d", engine.summary(), args.host, args.port)
 
     threading.Thread(target=load, name="strata-load", daemon=True).start()
     log.info("strata serve: binding http://%s:%d (model loading)", args.host, args.port)

@@ -39,3 +39,13 @@ def test_an_idle_engine_reports_the_tokens_its_lane_holds(tiny) -> None:
     assert 0 < usage < stats["pool_cells_reserved"] / stats["pool_cells_total"] < 1
     m = re.search(r'^vllm:kv_cache_usage_perc\{model_name="tiny"\} (\S+)$', text, re.M)
     assert m is not None and float(m.group(1)) == pytest.approx(usage)
+
+
+def test_the_start_up_summary_says_what_runs(tiny_loaded) -> None:
+    cfg = EngineConfig(model=tiny_loaded.path, device="cpu", dtype="bfloat16", parallel=2, max_context=256,
+                       kv_pool_tokens=512, kv_chunk=16)
+    with Engine(cfg, loaded=tiny_loaded) as eng:
+        line = eng.summary()
+    assert f"({tiny_loaded.config.arch}, {tiny_loaded.config.num_layers} layers) on cpu, bfloat16" in line
+    assert "KV bf16: 2 lanes, 512 cells in 32 chunks of 16" in line
+    assert "conversation cache off" in line and "layer state" not in line

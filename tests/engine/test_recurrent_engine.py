@@ -245,6 +245,7 @@ def test_the_pool_holds_only_the_layers_that_attend_over_it(folder: str) -> None
     cell = 2 * tiny["kv_heads"] * tiny["head_dim"] * 4
     with _engine(folder, parallel=3) as eng:
         pool, states = eng.pool, eng.states
+        assert "layer state" in eng.summary() and "8 checkpoints a conversation" in eng.summary()
         assert pool.layer_ids == tiny["pool_layers"]
         assert pool.bytes_per_cell() == cell * len(tiny["pool_layers"]) == 256  # every layer: 6x, 4x
         assert pool.total_bytes() == (pool.num_chunks + 1) * pool.chunk_size * 256

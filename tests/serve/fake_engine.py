@@ -259,6 +259,9 @@ class FakeEngine:
         self.truncations = 0
         self.tokenizer.template_calls.clear()
 
+    def summary(self) -> str:
+        return f"{self.model_name} (fake) on cpu"
+
     def generate(self, prompt_ids: list[int], params: SamplingParams) -> FakeHandle:
         self.calls.append((list(prompt_ids), params))
         return FakeHandle(self, list(prompt_ids), params)
