@@ -278,7 +278,7 @@ def _fill(
         desc=f"loading {Path(path).name}",
         unit="tensor",
         file=sys.stderr,
-        disable=not progress,
+        disable=not progress or not sys.stderr.isatty(),  # a log file gets the log's lines instead
         leave=False,
     )
     for pname, parts in bar:
