@@ -19,6 +19,7 @@ from collections.abc import Iterator
 from typing import Any
 
 from strata.knobs import text
+from strata.serve.log_format import configure_logging
 
 log = logging.getLogger("strata.serve")
 
@@ -40,6 +41,8 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
                    help="send a keep-alive on a stream the engine has been silent on this long "
                         "(queued, or reading a long prompt); default: 5")
     g.add_argument("--log-level", default="info", choices=LOG_LEVELS, help="log verbosity")
+    g.add_argument("--log-format", default="text", choices=["text", "json"],
+                   help="log lines as text, or one JSON object a line (time, level, logger, message)")
     g.add_argument("--alias", "-a", "--served-model-name", dest="served_model_name", default=None,
                    metavar="NAME", help="the model name /v1/models and every response report "
                                         "(default: the model file's or folder's name)")
@@ -56,11 +59,6 @@ def _model_label(model: str | None) -> str:
     return base[:-5] if base.endswith(".gguf") else base
 
 
-def _configure_logging(level: str) -> None:
-    logging.basicConfig(level=level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    logging.getLogger("strata").setLevel(level.upper())
-
-
 def run_server(args: argparse.Namespace) -> int:
     """Serve until SIGINT/SIGTERM; the exit status (1 when the model could not load)."""
     import uvicorn
@@ -70,7 +68,7 @@ def run_server(args: argparse.Namespace) -> int:
     from strata.serve.app import attach_engine, build_app
     from strata.serve.security import api_key_problem, bind_warning
 
-    _configure_logging(args.log_level)
+    configure_logging(args.log_level, args.log_format)
     problem = api_key_problem(args.api_key)
     if problem is not None:
         log.error("strata serve: %s", problem)
