@@ -2,7 +2,8 @@
 
 Chat templates are Jinja programs written against transformers' renderer:
 trim_blocks and lstrip_blocks on, loop controls, `raise_exception`,
-`strftime_now`, a `tojson` that does not HTML-escape. Rendering with anything
+`strftime_now`, a `tojson` that does not HTML-escape, the `{% generation %}`
+block tag. Rendering with anything
 else changes whitespace or fails, and the model then sees a prompt it was not
 trained on. Templates come from model files, so they run in a sandbox.
 """
@@ -18,6 +19,7 @@ from typing import Any
 
 import jinja2
 import jinja2.ext
+import jinja2.nodes
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
 from strata.errors import BadRequest
@@ -72,10 +74,22 @@ def _make_dict(*args: Any, **kwargs: Any) -> dict:
     return dict(*args, **kwargs)
 
 
+class GenerationTag(jinja2.ext.Extension):
+    """`{% generation %}...{% endgeneration %}`: transformers' tag marking the assistant's part of a
+    training prompt (for its assistant-token masks); rendering a prompt only needs the body."""
+
+    tags = {"generation"}
+
+    def parse(self, parser: Any) -> jinja2.nodes.Node:
+        lineno = next(parser.stream).lineno
+        body = parser.parse_statements(("name:endgeneration",), drop_needle=True)
+        return jinja2.nodes.Scope(body, lineno=lineno)
+
+
 @lru_cache(maxsize=1)
 def _environment() -> ImmutableSandboxedEnvironment:
     env = ImmutableSandboxedEnvironment(
-        trim_blocks=True, lstrip_blocks=True, extensions=[jinja2.ext.loopcontrols]
+        trim_blocks=True, lstrip_blocks=True, extensions=[jinja2.ext.loopcontrols, GenerationTag]
     )
     env.filters["tojson"] = _tojson
     env.globals["raise_exception"] = _raise_exception

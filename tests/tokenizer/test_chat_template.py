@@ -175,3 +175,22 @@ def _with_template(tok: Tokenizer, template: str | None) -> Tokenizer:
         vocab_size=tok.vocab_size,
     )
     return copy
+
+
+GENERATION_TEMPLATE = (
+    "{% for m in messages %}<|{{ m.role }}|>"
+    "{% if m.role == 'assistant' %}{% generation %}{{ m.content }}<|end|>{% endgeneration %}"
+    "{% else %}{{ m.content }}<|end|>{% endif %}\n{% endfor %}"
+    "{% if add_generation_prompt %}<|assistant|>{% endif %}"
+)
+
+
+def test_the_generation_tag_renders_its_body_as_transformers_does(hf_smol: Any) -> None:
+    messages = [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello"},
+                {"role": "user", "content": "Bye"}]
+    ours = render_chat_template(GENERATION_TEMPLATE, messages, add_generation_prompt=True)
+    theirs = hf_smol.apply_chat_template(messages, chat_template=GENERATION_TEMPLATE, tokenize=False,
+                                         add_generation_prompt=True)
+    assert ours == theirs == "<|user|>Hi<|end|><|assistant|>Hello<|end|><|user|>Bye<|end|><|assistant|>"
+    with pytest.raises(BadRequest, match="does not compile"):  # the block must be closed
+        compile_template("{% generation %}{{ x }}")
