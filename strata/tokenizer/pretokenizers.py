@@ -8,14 +8,13 @@ models' own tokenizer.json files.
 
 from __future__ import annotations
 
-import logging
 from dataclasses import dataclass
 
 from tokenizers import Regex, normalizers, pre_tokenizers
 from tokenizers.normalizers import Normalizer
 from tokenizers.pre_tokenizers import PreTokenizer
 
-log = logging.getLogger(__name__)
+from strata.errors import ModelLoadError
 
 LLAMA3_SPLIT = (
     r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
@@ -77,7 +76,7 @@ def _split(regex: str, nfc: bool = False, ignore_merges: bool = False) -> ByteLe
 _CUTS = {
     **dict.fromkeys(["default", "gpt2", "mpt", "olmo", "jais", "gpt-2"], _gpt2),
     **dict.fromkeys(
-        ["smollm", "starcoder", "refact", "command-r", "codeshell", "exaone", "minerva"],
+        ["smollm", "starcoder", "refact", "command-r", "codeshell", "exaone", "minerva", "minerva-7b"],
         _digits_then_gpt2,
     ),
     **dict.fromkeys(
@@ -93,10 +92,11 @@ _CUTS = {
 }
 
 def byte_level_cut(pre: str | None, source: str) -> ByteLevelCut:
-    """The cut for `tokenizer.ggml.pre`; GPT-2's, with a warning, for a name not known here."""
+    """The cut for `tokenizer.ggml.pre`. A name not known here is refused: another split (GPT-2's,
+    say) would tokenize the model's text into pieces it was not trained on, silently."""
     name = pre or "default"
     make = _CUTS.get(name)
     if make is None:
-        log.warning("%s: unknown tokenizer.ggml.pre %r, using the GPT-2 split", source, name)
-        make = _gpt2
+        raise ModelLoadError(source, f"tokenizer.ggml.pre {name!r} names a pre-tokenizer split Strata does "
+                                     f"not implement (known: {', '.join(sorted(_CUTS))})")
     return make()

@@ -169,3 +169,12 @@ def test_add_bos_flag_is_respected(smol_metadata: dict[str, Any]) -> None:
     assert tok.encode("hi", add_special_tokens=True) == [1, *tok.encode("hi")]
     eos = Tokenizer.from_gguf_metadata({**smol_metadata, "tokenizer.ggml.add_eos_token": True}, "m")
     assert eos.encode("hi", add_special_tokens=True) == [*eos.encode("hi"), 2]
+
+
+def test_an_unknown_pre_tokenizer_is_refused_naming_it_and_the_file() -> None:
+    from strata.errors import ModelLoadError
+
+    with pytest.raises(ModelLoadError, match=r"model\.gguf: tokenizer\.ggml\.pre 'chatglm-bpe' .*known: .*smollm"):
+        byte_level_cut("chatglm-bpe", "model.gguf")
+    assert byte_level_cut("minerva-7b", "t").pre_tokenizer is not None  # llama.cpp's spelling
+    assert byte_level_cut(None, "t").pre_tokenizer is not None  # no name: GPT-2's, as llama.cpp
