@@ -6,7 +6,7 @@ import argparse
 import json
 import sys
 from pathlib import Path
-from typing import Sequence
+from typing import Any, Sequence
 
 from strata.engine.config import (
     EngineArgumentParser,
@@ -128,43 +128,75 @@ def _session_paths(args: argparse.Namespace) -> tuple[Path, Path] | None:
     return path, path.with_name(path.name + ".messages.json")
 
 
+EXIT_WORDS = ("/exit", "/quit")
+
+
+def _read_line() -> str | None:
+    """The next user line (readline editing and history where the terminal has them); None: end of
+    input or /exit. Ctrl-C at the prompt drops the line being typed, as a shell does."""
+    while True:
+        try:
+            line = input("> ")
+        except EOFError:
+            return None
+        except KeyboardInterrupt:
+            print("\n(Ctrl-D or /exit ends the chat)", file=sys.stderr)
+            continue
+        if line.strip() in EXIT_WORDS:
+            return None
+        if line.strip():
+            return line
+
+
+def _stream_reply(engine: Any, ids: list[int], params: Any) -> str:
+    """Print the reply as it comes; Ctrl-C stops it (the request is cancelled) and keeps what
+    was said so far."""
+    handle = engine.generate(ids, params)
+    reply: list[str] = []
+    try:
+        for ev in handle:
+            sys.stdout.write(ev.text)
+            sys.stdout.flush()
+            reply.append(ev.text)
+    except KeyboardInterrupt:
+        handle.cancel()
+        for ev in handle:  # the cancelled request's last events
+            reply.append(ev.text)
+        print(" [stopped]", file=sys.stderr)
+    return "".join(reply)
+
+
 def cmd_chat(args: argparse.Namespace) -> int:
+    try:
+        import readline  # noqa: F401 - input() gains line editing and history
+    except ImportError:  # a Python built without it: plain input()
+        pass
     paths = _session_paths(args)
     engine = _engine(args)
     tok = engine.tokenizer
     messages: list[dict] = [{"role": "system", "content": args.system}] if args.system else []
-    print(f"strata chat on {engine.model_name}; an empty line or Ctrl-D ends.", file=sys.stderr)
+    print(f"strata chat on {engine.model_name}; Ctrl-C stops a reply, Ctrl-D or /exit ends.", file=sys.stderr)
     try:
         if paths is not None and paths[0].exists() and paths[1].exists():
             engine.restore_session(0, args.session)  # the K/V: the next turn reads only what is new
             messages = json.loads(paths[1].read_text())
             print(f"restored {args.session}: {len(messages)} messages", file=sys.stderr)
-        while True:
-            try:
-                line = input("> ")
-            except EOFError:
-                break
-            if not line.strip():
-                break
+        while (line := _read_line()) is not None:
             messages.append({"role": "user", "content": line})
             ids = tok.encode(tok.apply_chat_template(messages, add_generation_prompt=True))
-            reply = []
             try:
-                for ev in engine.generate(ids, sampling_from_args(args)):
-                    sys.stdout.write(ev.text)
-                    sys.stdout.flush()
-                    reply.append(ev.text)
+                reply = _stream_reply(engine, ids, sampling_from_args(args))
             except StrataError as e:
                 print(f"\nstrata: error: {e}", file=sys.stderr)
                 messages.pop()
                 continue
             sys.stdout.write("\n")
-            messages.append({"role": "assistant", "content": "".join(reply)})
+            messages.append({"role": "assistant", "content": reply})
             if paths is not None:
                 lane = next(x["id"] for x in engine.stats()["lanes"] if x["n_tokens"])
                 engine.save_session(lane, args.session)
                 paths[1].write_text(json.dumps(messages))
-    except KeyboardInterrupt:
+    except KeyboardInterrupt:  # between the prompt and a reply (restoring a session, say)
         pass
     finally:
         engine.close()

@@ -60,3 +60,58 @@ def test_chat_session_is_saved_and_restored(tiny_model_dir, tmp_path, capsys, mo
 def test_chat_session_needs_a_session_dir(tiny_model_dir, capsys) -> None:
     rc = main(["chat", "--model", str(tiny_model_dir), "--session", "x"])
     assert rc == 1 and "--session-dir" in capsys.readouterr().err
+
+
+def test_chat_keeps_going_past_empty_lines_and_ends_on_exit(tiny_model_dir, capsys, monkeypatch) -> None:
+    import io
+
+    monkeypatch.setattr("sys.stdin", io.StringIO("Hello\n\n   \nAgain\n/exit\nnever read\n"))
+    assert main(["chat", "--model", str(tiny_model_dir), "--max-tokens", "3"]) == 0
+    out = capsys.readouterr()
+    assert out.out.count("\n") == 2  # two replies: the empty lines ended nothing, /exit did
+
+
+def test_ctrl_c_stops_a_reply_and_keeps_what_was_said(monkeypatch, capsys) -> None:
+    """`_stream_reply` with a handle whose second event is interrupted: the request is cancelled,
+    the text so far (and the cancelled request's last event) is the reply."""
+    from types import SimpleNamespace
+
+    from strata.cli import _stream_reply
+
+    class Handle:
+        def __init__(self) -> None:
+            self.cancelled = False
+            self.events = iter([SimpleNamespace(text="Par"), KeyboardInterrupt, SimpleNamespace(text="is")])
+
+        def __iter__(self):
+            return self
+
+        def __next__(self):
+            ev = next(self.events)
+            if ev is KeyboardInterrupt:
+                raise KeyboardInterrupt
+            return ev
+
+        def cancel(self) -> None:
+            self.cancelled = True
+
+    handle = Handle()
+    engine = SimpleNamespace(generate=lambda ids, params: handle)
+    assert _stream_reply(engine, [1], None) == "Paris" and handle.cancelled
+    assert "[stopped]" in capsys.readouterr().err
+
+
+def test_ctrl_c_at_the_prompt_drops_the_line_not_the_chat(monkeypatch, capsys) -> None:
+    from strata.cli import _read_line
+
+    answers = iter([KeyboardInterrupt, "", "hi", "/quit"])
+
+    def fake_input(prompt: str) -> str:
+        a = next(answers)
+        if a is KeyboardInterrupt:
+            raise KeyboardInterrupt
+        return a
+
+    monkeypatch.setattr("builtins.input", fake_input)
+    assert _read_line() == "hi" and _read_line() is None
+    assert "Ctrl-D or /exit ends" in capsys.readouterr().err
