@@ -227,6 +227,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"strata: error: {e}", file=sys.stderr)
         return 1
     except KeyboardInterrupt:
+        print("strata: interrupted", file=sys.stderr)
         return 130
     parser.error(f"unknown command {args.command}")
     return 2

@@ -14,6 +14,7 @@ import contextlib
 import logging
 import os
 import signal
+import sys
 import threading
 from collections.abc import Iterator
 from typing import Any
@@ -105,7 +106,8 @@ def run_server(args: argparse.Namespace) -> int:
             attach_engine(app, engine, model_name=alias)
         log.info("loaded %s; serving on http://%s:%d", engine.summary(), args.host, args.port)
 
-    threading.Thread(target=load, name="strata-load", daemon=True).start()
+    loader = threading.Thread(target=load, name="strata-load", daemon=True)
+    loader.start()
     log.info("strata serve: binding http://%s:%d (model loading)", args.host, args.port)
     try:
         with _signals_end_quietly():
@@ -117,7 +119,20 @@ def run_server(args: argparse.Namespace) -> int:
         if engine is not None:
             engine.close()
             log.info("engine closed")
+    if loader.is_alive():
+        _exit_while_loading()
     return 1 if holder.get("failed") else 0
+
+
+def _exit_while_loading() -> None:
+    """Stopped before the model finished loading. The loading thread is inside native code that
+    cannot be interrupted, and an interpreter shutting down around it aborts the process
+    ("terminate called without an active exception"); leave at once instead, in one line."""
+    log.info("stopped while the model was loading; exiting")
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(130)
 
 
 @contextlib.contextmanager

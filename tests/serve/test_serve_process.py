@@ -10,7 +10,6 @@ import time
 from pathlib import Path
 
 import httpx
-
 from conftest import free_port
 
 FAKE_SERVER = Path(__file__).with_name("fake_server.py")
@@ -58,3 +57,23 @@ def test_load_failure_exits_1_with_the_reason() -> None:
     out, _ = proc.communicate(timeout=30)
     assert proc.returncode == 1, out
     assert "could not load the model" in out and "not a GGUF file" in out
+
+
+def test_sigint_while_loading_exits_130_in_one_line() -> None:
+    """Stopped before the model is loaded: the loading thread is left (it may be in native code,
+    which an interpreter shutting down around it would abort), with one line and status 130."""
+    port = free_port()
+    proc = start(port, FAKE_LOAD_S="30")
+    deadline = time.monotonic() + 20
+    while time.monotonic() < deadline:  # the server answers (loading) before the signal
+        try:
+            if httpx.get(f"http://127.0.0.1:{port}/health", timeout=1).json()["status"] == "loading":
+                break
+        except httpx.TransportError:
+            time.sleep(0.05)
+    started = time.monotonic()
+    proc.send_signal(signal.SIGINT)
+    out, _ = proc.communicate(timeout=20)
+    assert proc.returncode == 130, out
+    assert "stopped while the model was loading" in out and "Traceback" not in out
+    assert "fake engine closed" not in out and time.monotonic() - started < 10
