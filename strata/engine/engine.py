@@ -338,6 +338,21 @@ class Engine:
             checkpoints=self.checkpoints.stats.as_dict() if self.checkpoints is not None else None)
         return figures
 
+    def cancel_all(self) -> None:
+        """Cancel every request, queued or running (the server is stopping): each ends within a
+        step with a `cancelled` finish, so its client gets a last event instead of a cut line."""
+        with self._lock:
+            handles = [req.handle for req in self._inbox]
+        for handle in handles:
+            handle.cancel()
+
+        def running() -> None:
+            sched = self.scheduler
+            for req in list(sched.waiting) + [lane.request for lane in sched.lanes if lane.request]:
+                req.handle.cancel()
+
+        self.call(running)
+
     def close(self) -> None:
         with self._lock:
             self._closed = True

@@ -82,12 +82,19 @@ def run_server(args: argparse.Namespace) -> int:
     app = build_app(None, api_key=args.api_key, model_name=alias or _model_label(config.model),
                     session_dir=config.session_dir, cors_origins=getattr(args, "cors_origin", None),
                     keepalive_s=args.sse_keepalive)
-    server = uvicorn.Server(uvicorn.Config(
-        app, host=args.host, port=args.port, log_level=args.log_level, access_log=False,
-        timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S, log_config=None,
-    ))
     holder: dict[str, Any] = {}
     lock = threading.Lock()
+
+    def stopping() -> None:  # the first SIGINT/SIGTERM: running requests end with a last event
+        with lock:
+            engine = holder.get("engine")
+        if engine is not None:
+            engine.cancel_all()
+
+    server = _make_server(uvicorn.Config(
+        app, host=args.host, port=args.port, log_level=args.log_level, access_log=False,
+        timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S, log_config=None,
+    ), stopping)
 
     def load() -> None:
         try:
@@ -122,6 +129,21 @@ def run_server(args: argparse.Namespace) -> int:
     if loader.is_alive():
         _exit_while_loading()
     return 1 if holder.get("failed") else 0
+
+
+def _make_server(config: Any, on_exit: Any) -> Any:
+    """uvicorn's server, telling the engine when a signal asks it to stop (`on_exit`, once):
+    without that, a stream longer than the graceful timeout is cut off with no last event and
+    uvicorn logs the cancelled task's traceback. (uvicorn is imported only to serve.)"""
+    import uvicorn
+
+    class StoppingServer(uvicorn.Server):
+        def handle_exit(self, sig: int, frame: Any) -> None:
+            if not self.should_exit:
+                on_exit()
+            super().handle_exit(sig, frame)
+
+    return StoppingServer(config)
 
 
 def _exit_while_loading() -> None:

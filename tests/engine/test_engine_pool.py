@@ -153,6 +153,20 @@ def test_cancel_frees_the_lane(tiny) -> None:
         assert eng.stats()["lanes_busy"] == 0
 
 
+def test_cancel_all_ends_running_and_queued_requests(tiny) -> None:
+    """What a stopping server does: every request ends with a cancelled finish, and the engine
+    keeps serving (nothing else changed)."""
+    with _engine(tiny, parallel=1, max_context=256) as eng:
+        running = eng.generate(_ids(tiny, PROMPTS[0]), _greedy(200))
+        it = iter(running)
+        next(it)
+        queued = eng.generate(_ids(tiny, PROMPTS[1]), _greedy(200))  # one lane: this one waits
+        eng.cancel_all()
+        assert list(it)[-1].finish_reason == FinishReason.CANCELLED
+        assert list(queued)[-1].finish_reason == FinishReason.CANCELLED
+        assert eng.complete(_ids(tiny, PROMPTS[2]), _greedy(3)).completion_tokens == 3
+
+
 def test_an_idle_server_without_a_queue_admits_a_request(tiny) -> None:
     """--parallel 1 --max-queued 0: a free lane is not a queue; only a second request waits."""
     with _engine(tiny, parallel=1, max_context=64, max_queued=0) as eng:

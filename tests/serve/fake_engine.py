@@ -262,6 +262,10 @@ class FakeEngine:
     def summary(self) -> str:
         return f"{self.model_name} (fake) on cpu"
 
+    def cancel_all(self) -> None:
+        for handle in [h for h in self.lanes.values() if h is not None]:
+            handle.cancel()
+
     def generate(self, prompt_ids: list[int], params: SamplingParams) -> FakeHandle:
         self.calls.append((list(prompt_ids), params))
         return FakeHandle(self, list(prompt_ids), params)

@@ -77,3 +77,49 @@ def test_sigint_while_loading_exits_130_in_one_line() -> None:
     assert proc.returncode == 130, out
     assert "stopped while the model was loading" in out and "Traceback" not in out
     assert "fake engine closed" not in out and time.monotonic() - started < 10
+
+
+def test_sigint_mid_stream_ends_the_stream_with_a_last_event() -> None:
+    """The real server on the default model: a long stream gets the API's error event (code
+    `cancelled`) when the server is told to stop, and the process exits 0 with no traceback."""
+    import json
+    import threading
+
+    port = free_port()
+    proc = subprocess.Popen([sys.executable, "-m", "strata.cli", "serve", "--port", str(port)],
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    url = f"http://127.0.0.1:{port}"
+    lines: list[str] = []
+    first = threading.Event()
+
+    def client() -> None:
+        body = {"messages": [{"role": "user", "content": "Write a very long story."}], "max_tokens": 3000,
+                "stream": True, "temperature": 0.8, "seed": 1}
+        with httpx.stream("POST", f"{url}/v1/chat/completions", json=body, timeout=60) as r:
+            for line in r.iter_lines():
+                if line:
+                    lines.append(line)
+                    first.set()
+
+    try:
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline:
+            try:
+                if httpx.get(f"{url}/health", timeout=1).status_code == 200:
+                    break
+            except httpx.TransportError:
+                pass
+            time.sleep(0.2)
+        reader = threading.Thread(target=client)
+        reader.start()
+        assert first.wait(60)
+        stopped = time.monotonic()
+        proc.send_signal(signal.SIGINT)
+        out, _ = proc.communicate(timeout=30)
+        reader.join(10)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 0 and "Traceback" not in out, out
+    assert json.loads(lines[-1].removeprefix("data: "))["error"]["code"] == "cancelled"
+    assert time.monotonic() - stopped < 10
