@@ -18,6 +18,7 @@ from starlette.responses import JSONResponse
 
 from strata.errors import SessionFileError, StrataError
 from strata.serve.errors import ApiError, from_strata_error
+from strata.serve.llama_api import generation_settings
 from strata.serve.request_body import json_body, path_id
 from strata.serve.state import serve_state
 
@@ -75,18 +76,40 @@ async def _engine_call(fn: Any, lane: int, filename: str) -> Any:
         raise mapped from None
 
 
+def _llama_fields(request: Any, n_ctx: int) -> dict[str, Any]:
+    """llama-server's per-slot fields, so scripts written against its /slots read them unchanged.
+
+    `request` is the engine's Request using the lane (None when idle): its id,
+    sampling settings and generated tokens so far. The prompt's text is not
+    shown (only counts): it is the users' conversation.
+    """
+    if request is None:
+        return {"id_task": -1, "n_ctx": n_ctx, "speculative": False, "is_processing": False, "params": None,
+                "next_token": {"has_next_token": False, "n_remain": -1, "n_decoded": 0}}
+    params = request.params
+    decoded = len(request.output)
+    return {"id_task": int(request.id), "n_ctx": n_ctx, "speculative": False, "is_processing": True,
+            "params": generation_settings(params, params.max_tokens), "n_prompt_tokens": len(request.prompt),
+            "next_token": {"has_next_token": True, "n_remain": max(params.max_tokens - decoded, 0),
+                           "n_decoded": decoded}}
+
+
 def lane_table(engine: Any) -> list[dict[str, Any]]:
     """One row per lane: what it holds and whether a request is using it now."""
     stats = engine.stats()
     tokens = stats.get("tokens_per_session", {})
     chunks = stats.get("chunks_per_session", {})
-    # stats() counts busy lanes but does not say which; the scheduler's lanes do.
-    busy = {lane.index for lane in engine.scheduler.lanes if lane.request is not None}
+    # stats() counts busy lanes but does not say which; the scheduler's lanes do. Read once:
+    # the engine thread may end a request meanwhile.
+    requests = {lane.index: lane.request for lane in engine.scheduler.lanes}
+    n_ctx = int(engine.config.max_context)
     rows = []
     for index in range(int(stats["lanes_total"])):
         n = int(tokens.get(index, 0))
-        state = "busy" if index in busy else ("idle" if n else "empty")
-        rows.append({"id": index, "state": state, "n_tokens": n, "chunks": int(chunks.get(index, 0))})
+        request = requests.get(index)
+        state = "busy" if request is not None else ("idle" if n else "empty")
+        rows.append({"id": index, "state": state, "n_tokens": n, "chunks": int(chunks.get(index, 0)),
+                     **_llama_fields(request, n_ctx)})
     return rows
 
 

@@ -12,6 +12,7 @@ handling is tested against real `strata serve` processes.
 from __future__ import annotations
 
 import asyncio
+import itertools
 import random
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
@@ -31,6 +32,7 @@ from strata.errors import BadRequest
 
 BOS, EOS = 1, 2
 OFFSET = 10  # ids below are special
+_handle_ids = itertools.count(1)
 WORDS = ["alpha", "bravo", "charlie", "delta", "echo", "foxtrot", "golf", "hotel", "india", "juliet"]
 
 
@@ -98,6 +100,7 @@ class FakeHandle:
     params: SamplingParams
     cancelled: bool = False
     events_sent: int = field(default=0)
+    id: int = field(default_factory=lambda: next(_handle_ids))
 
     def cancel(self) -> None:
         if not self.cancelled:
@@ -282,8 +285,13 @@ class FakeEngine:
 
     @property
     def scheduler(self) -> SimpleNamespace:
-        """What the slot listing reads of the real scheduler: each lane's index and request."""
-        return SimpleNamespace(lanes=[SimpleNamespace(index=i, request=h) for i, h in self.lanes.items()])
+        """What the slot listing reads of the real scheduler: each lane's index and request
+        (the request's id, prompt, sampling settings and generated tokens)."""
+        def request(h: FakeHandle | None) -> SimpleNamespace | None:
+            if h is None:
+                return None
+            return SimpleNamespace(id=h.id, prompt=h.prompt_ids, params=h.params, output=[0] * h.events_sent)
+        return SimpleNamespace(lanes=[SimpleNamespace(index=i, request=request(h)) for i, h in self.lanes.items()])
 
     def _session(self, action: str, lane: int, filename: str) -> SessionResult:
         self.session_calls.append((action, lane, filename))

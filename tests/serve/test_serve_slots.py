@@ -33,14 +33,22 @@ def _chat(http: httpx.Client) -> dict:
     return r.json()
 
 
+STRATA_FIELDS = ("id", "state", "n_tokens", "chunks")
+
+
+def _strata(rows: list[dict]) -> list[dict]:
+    """Strata's own fields of each /slots row (llama-server's come beside them)."""
+    return [{k: row[k] for k in STRATA_FIELDS} for row in rows]
+
+
 def test_slots_list_states_and_save_restore_answers(http: httpx.Client, engine: FakeEngine) -> None:
-    assert http.get("/slots").json() == [
+    assert _strata(http.get("/slots").json()) == [
         {"id": 0, "state": "empty", "n_tokens": 0, "chunks": 0},
         {"id": 1, "state": "empty", "n_tokens": 0, "chunks": 0},
     ]
     usage = _chat(http)["usage"]
     held = usage["prompt_tokens"] + usage["completion_tokens"]
-    slots = http.get("/slots").json()
+    slots = _strata(http.get("/slots").json())
     assert slots[0] == {"id": 0, "state": "idle", "n_tokens": held, "chunks": 0}
     assert slots[1]["state"] == "empty"
     engine.config.session_dir = "/sessions"
@@ -64,6 +72,29 @@ def test_a_busy_lane_is_listed_busy(http: httpx.Client, engine: FakeEngine) -> N
         lines = r.iter_lines()  # kept: a dropped iterator closes the stream
         next(lines)
         assert [s["state"] for s in http.get("/slots").json()] == ["busy", "empty"]
+
+
+def test_slots_carry_llama_servers_fields(http: httpx.Client, engine: FakeEngine) -> None:
+    """id_task, n_ctx, is_processing, speculative, params and next_token, as llama-server reports them."""
+    idle = http.get("/slots").json()
+    for row in idle:
+        assert row["id_task"] == -1 and row["n_ctx"] == 256 and row["speculative"] is False
+        assert row["is_processing"] is False and row["params"] is None
+        assert row["next_token"] == {"has_next_token": False, "n_remain": -1, "n_decoded": 0}
+    engine.delay = 0.05
+    body = {"model": "m", "messages": [{"role": "user", "content": "LONG"}], "stream": True, "max_tokens": 50,
+            "temperature": 0.5, "top_k": 7}
+    with http.stream("POST", "/v1/chat/completions", json=body) as r:
+        lines = r.iter_lines()
+        next(lines)
+        next(lines)
+        busy, other = http.get("/slots").json()
+        assert busy["is_processing"] is True and other["is_processing"] is False
+        assert busy["id_task"] >= 1 and busy["n_prompt_tokens"] == len(engine.calls[-1][0])
+        assert busy["params"]["temperature"] == 0.5 and busy["params"]["top_k"] == 7
+        assert busy["params"]["n_predict"] == 50
+        nt = busy["next_token"]
+        assert nt["has_next_token"] is True and nt["n_decoded"] >= 1 and nt["n_remain"] == 50 - nt["n_decoded"]
 
 
 def test_without_session_dir_the_answer_is_501_naming_the_flag(http: httpx.Client) -> None:
