@@ -28,7 +28,7 @@ from strata.engine.types import (
     StreamEvent,
     TokenLogprob,
 )
-from strata.errors import BadRequest
+from strata.errors import BadRequest, LaneBusy
 
 BOS, EOS = 1, 2
 OFFSET = 10  # ids below are special
@@ -307,6 +307,16 @@ class FakeEngine:
 
     def restore_session(self, lane: int, filename: str) -> SessionResult:
         return self._session("restore", lane, filename)
+
+    def erase_slot(self, lane: int) -> int:
+        """As the real engine: an idle lane forgets what it holds; a busy one raises LaneBusy."""
+        self.session_calls.append(("erase", lane, ""))
+        if lane not in self.lanes:
+            raise BadRequest(f"no lane {lane}: lanes are 0..{len(self.lanes) - 1}", "id_slot")
+        if self.lanes[lane] is not None:
+            raise LaneBusy(f"lane {lane} is busy: a request is using it; erase an idle lane", "id_slot")
+        self.seen.clear()  # the fake's prefix reuse: nothing cached any more
+        return self.held.pop(lane, 0)
 
     def parked(self) -> list[dict[str, int]]:
         return []  # the fake parks nothing
