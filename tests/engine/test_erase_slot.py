@@ -1,4 +1,5 @@
-"""Erasing a lane's conversation (llama-server's `/slots/{id}?action=erase`) on the real engine."""
+"""Erasing a lane's conversation (llama-server's `/slots/{id}?action=erase`) on the real engine,
+and the busy lane's /slots row read off the real scheduler."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ from strata.engine.config import EngineConfig
 from strata.engine.engine import Engine
 from strata.engine.types import SamplingParams
 from strata.errors import BadRequest, LaneBusy
+from strata.serve.slots import lane_table
 
 
 @pytest.fixture(scope="module")
@@ -44,6 +46,9 @@ def test_a_busy_lane_or_an_unknown_one_is_refused(engine: Engine, tiny_loaded) -
     events = iter(handle)
     next(events)  # admitted and decoding
     busy = next(lane.index for lane in engine.scheduler.lanes if lane.request is not None)
+    row = lane_table(engine)[busy]  # /slots' llama-server fields, read off the real scheduler
+    assert row["is_processing"] is True and row["id_task"] >= 1 and row["params"]["n_predict"] == 200
+    assert row["next_token"]["has_next_token"] is True and row["next_token"]["n_decoded"] >= 1
     with pytest.raises(LaneBusy, match="busy") as info:
         engine.erase_slot(busy)
     assert info.value.param == "id_slot"
