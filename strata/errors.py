@@ -28,6 +28,10 @@ class BadRequest(StrataError):
         self.param = param
 
 
+class LaneBusy(BadRequest):
+    """A lane action (erase) needs an idle lane and a request is using this one."""
+
+
 class ContextTooLong(BadRequest):
     """A prompt (plus the tokens asked for) does not fit in --max-context."""
 

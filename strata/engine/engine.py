@@ -45,6 +45,7 @@ from strata.engine.types import FinishReason, PromptProgress, SamplingParams, St
 from strata.errors import (
     BadRequest,
     ContextTooLong,
+    LaneBusy,
     ModelLoadError,
     QueueFull,
     StageUnavailable,
@@ -307,6 +308,20 @@ class Engine:
         """Restore `filename` from --session-dir into idle lane `lane` (read and checked in this thread)."""
         loaded = self.sessions.read(filename)  # file I/O off the engine thread
         return self.call(lambda: self.sessions.install(lane, loaded)).result()
+
+    def erase_slot(self, lane: int) -> int:
+        """Forget idle lane `lane`'s conversation (llama-server's slot erase), so the next
+        request reads its prompt from token 0; returns the tokens dropped. Not parked: an
+        erase is asked for to be rid of the K/V. A busy lane raises LaneBusy."""
+        def erase() -> int:
+            lanes = self.scheduler.lanes
+            if not 0 <= lane < len(lanes):
+                raise BadRequest(f"no lane {lane}: lanes are 0..{len(lanes) - 1}", "id_slot")
+            target = lanes[lane]
+            if target.request is not None:
+                raise LaneBusy(f"lane {lane} is busy: a request is using it; erase an idle lane", "id_slot")
+            return self.scheduler.forget(target)
+        return self.call(erase).result()
 
     def parked(self) -> list[dict[str, int]]:
         """The parked conversations, least recently used first: id, tokens, bytes."""

@@ -289,10 +289,18 @@ class Scheduler:
         gone (a remote stage's worker was lost), so none of it may be reused."""
         for lane in self.lanes:
             if lane.request is None and lane.tokens:
-                lane.tokens = []
-                self.pool.release(lane.index)
-                if self.checkpoints is not None:
-                    self.checkpoints.cut(lane.index, 0)
+                self.forget(lane)
+
+    def forget(self, lane: Lane) -> int:
+        """An idle lane drops its conversation, not parked: no later request may reuse it.
+        Returns how many tokens it held."""
+        assert lane.request is None, "only an idle lane forgets its conversation"
+        n = len(lane.tokens)
+        lane.tokens = []
+        self.pool.release(lane.index)
+        if self.checkpoints is not None:
+            self.checkpoints.cut(lane.index, 0)
+        return n
 
     def release_lane(self, lane: Lane, keep_cache: bool) -> None:
         """The lane's request is over: keep its conversation for reuse, or give it all back."""

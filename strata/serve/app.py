@@ -53,7 +53,9 @@ class AccessMiddleware:
     def _authorized(self, scope: Scope) -> bool:
         """The key as UTF-8 bytes against the raw header bytes, in constant time."""
         key = self.state.api_key
-        if key is None or scope["path"] in OPEN_PATHS:
+        # Browsers send a CORS preflight without credentials (llama-server skips OPTIONS too);
+        # it reaches no handler that reads or generates anything.
+        if key is None or scope["path"] in OPEN_PATHS or scope["method"] == "OPTIONS":
             return True
         headers = {k.lower(): v for k, v in scope["headers"]}
         offered = headers.get(b"x-api-key")
@@ -83,7 +85,8 @@ class AccessMiddleware:
         try:
             if not self._authorized(scope):
                 err = ApiError(401, "Missing or invalid API key: send 'Authorization: Bearer KEY' "
-                                    "or 'x-api-key: KEY'", code="invalid_api_key")
+                                    "or 'x-api-key: KEY'", code="invalid_api_key",
+                               kind="authentication_error")
                 await error_response(scope["path"], err)(scope, receive, send_wrapper)
             else:
                 await self.app(scope, receive, send_wrapper)

@@ -52,13 +52,16 @@ class ApiError(Exception):
         param: str | None = None,
         code: str | None = None,
         headers: dict[str, str] | None = None,
+        kind: str | None = None,
     ) -> None:
+        """`kind` replaces the OpenAI dialect's `type` where llama-server's differs (a bad key)."""
         super().__init__(message)
         self.status = status
         self.message = message
         self.param = param
         self.code = code
         self.headers = headers or {}
+        self.kind = kind
 
 
 def is_anthropic_path(path: str) -> bool:
@@ -80,7 +83,7 @@ def error_body(path: str, err: ApiError) -> dict[str, Any]:
     return {
         "error": {
             "message": err.message,
-            "type": openai_type(err.status),
+            "type": err.kind or openai_type(err.status),
             "param": err.param,
             "code": err.code,
         }

@@ -1,4 +1,4 @@
-"""llama-server's native routes: /completion, /tokenize, /detokenize, /props, /version.
+"""llama-server's native routes: /completion, /tokenize, /detokenize, /apply-template, /props, /version.
 
 So the scripts and tools written for llama.cpp's server work unchanged: the
 same paths, body fields and answer fields (llama.cpp `tools/server/README.md`).
@@ -22,6 +22,7 @@ from strata.engine.types import SamplingParams, StreamEvent
 from strata.serve import generation as g
 from strata.serve import llama_format as fmt
 from strata.serve.errors import ApiError
+from strata.serve.openai_api import chat_prompt
 from strata.serve.request_body import read_body
 from strata.serve.schemas_llama import (
     IGNORED_NATIVE,
@@ -30,6 +31,7 @@ from strata.serve.schemas_llama import (
     NativeCompletionRequest,
     TokenizeRequest,
 )
+from strata.serve.schemas_openai import IGNORED_OPENAI, UNSUPPORTED_CHAT, ChatCompletionRequest
 from strata.serve.state import ServeState, serve_state
 
 router = APIRouter()
@@ -206,6 +208,17 @@ def _model_path(engine: Any) -> str:
         return str(default_model_path())
     except ModelLoadError:
         return ""
+
+
+@router.post("/apply-template")
+async def apply_template(request: Request) -> JSONResponse:
+    """llama-server's `{messages, ...}` -> `{prompt}`: the chat request's prompt as the model
+    would read it (template, tools, generation prompt), so a client can edit it and send it to
+    /completion. The body is a chat completion's, checked the same way."""
+    state = serve_state(request)
+    req = await read_body(request, ChatCompletionRequest, UNSUPPORTED_CHAT, IGNORED_OPENAI)
+    _, _, prompt = await chat_prompt(state.ready_engine(), req)
+    return JSONResponse({"prompt": prompt})
 
 
 @router.get("/props")

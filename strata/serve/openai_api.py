@@ -176,6 +176,16 @@ async def _chat_setup(engine: Any, req: ChatCompletionRequest) -> ChatSetup:
                             "response_format")
 
 
+async def chat_prompt(engine: Any, req: ChatCompletionRequest) -> tuple[ChatSetup, dict[str, Any], str]:
+    """A chat request's setup, template arguments and prompt text: what the model is shown
+    (also llama-server's /apply-template answer)."""
+    setup = await _chat_setup(engine, req)
+    kwargs = {**setup.template_kwargs, **(req.chat_template_kwargs or {})}
+    prompt_text = await g.render_chat(engine, setup.messages, kwargs, tools=setup.template_tools,
+                                      add_generation_prompt=req.add_generation_prompt)
+    return setup, kwargs, prompt_text
+
+
 @router.post("/v1/chat/completions")
 @router.post("/chat/completions")
 async def chat_completions(request: Request) -> Response:
@@ -183,10 +193,7 @@ async def chat_completions(request: Request) -> Response:
     req = await read_body(request, ChatCompletionRequest, UNSUPPORTED_CHAT, IGNORED_OPENAI)
     engine = state.ready_engine()
     request_info(request)["user"] = req.user
-    setup = await _chat_setup(engine, req)
-    kwargs = {**setup.template_kwargs, **(req.chat_template_kwargs or {})}
-    prompt_text = await g.render_chat(engine, setup.messages, kwargs, tools=setup.template_tools,
-                                      add_generation_prompt=req.add_generation_prompt)
+    setup, kwargs, prompt_text = await chat_prompt(engine, req)
     prompt_ids = await g.encode(engine, prompt_text, add_special_tokens=False)
     field = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
     max_tokens = g.fit_max_tokens(len(prompt_ids), req.wanted_max_tokens(), state.max_context(), field)

@@ -12,6 +12,7 @@ handling is tested against real `strata serve` processes.
 from __future__ import annotations
 
 import asyncio
+import itertools
 import random
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
@@ -27,10 +28,11 @@ from strata.engine.types import (
     StreamEvent,
     TokenLogprob,
 )
-from strata.errors import BadRequest
+from strata.errors import BadRequest, LaneBusy
 
 BOS, EOS = 1, 2
 OFFSET = 10  # ids below are special
+_handle_ids = itertools.count(1)
 WORDS = ["alpha", "bravo", "charlie", "delta", "echo", "foxtrot", "golf", "hotel", "india", "juliet"]
 
 
@@ -98,6 +100,7 @@ class FakeHandle:
     params: SamplingParams
     cancelled: bool = False
     events_sent: int = field(default=0)
+    id: int = field(default_factory=lambda: next(_handle_ids))
 
     def cancel(self) -> None:
         if not self.cancelled:
@@ -289,8 +292,13 @@ class FakeEngine:
 
     @property
     def scheduler(self) -> SimpleNamespace:
-        """What the slot listing reads of the real scheduler: each lane's index and request."""
-        return SimpleNamespace(lanes=[SimpleNamespace(index=i, request=h) for i, h in self.lanes.items()])
+        """What the slot listing reads of the real scheduler: each lane's index and request
+        (the request's id, prompt, sampling settings and generated tokens)."""
+        def request(h: FakeHandle | None) -> SimpleNamespace | None:
+            if h is None:
+                return None
+            return SimpleNamespace(id=h.id, prompt=h.prompt_ids, params=h.params, output=[0] * h.events_sent)
+        return SimpleNamespace(lanes=[SimpleNamespace(index=i, request=request(h)) for i, h in self.lanes.items()])
 
     def _session(self, action: str, lane: int, filename: str) -> SessionResult:
         self.session_calls.append((action, lane, filename))
@@ -306,6 +314,16 @@ class FakeEngine:
 
     def restore_session(self, lane: int, filename: str) -> SessionResult:
         return self._session("restore", lane, filename)
+
+    def erase_slot(self, lane: int) -> int:
+        """As the real engine: an idle lane forgets what it holds; a busy one raises LaneBusy."""
+        self.session_calls.append(("erase", lane, ""))
+        if lane not in self.lanes:
+            raise BadRequest(f"no lane {lane}: lanes are 0..{len(self.lanes) - 1}", "id_slot")
+        if self.lanes[lane] is not None:
+            raise LaneBusy(f"lane {lane} is busy: a request is using it; erase an idle lane", "id_slot")
+        self.seen.clear()  # the fake's prefix reuse: nothing cached any more
+        return self.held.pop(lane, 0)
 
     def parked(self) -> list[dict[str, int]]:
         return []  # the fake parks nothing

@@ -80,3 +80,30 @@ def test_configured_origins_get_preflights_and_headers_before_auth() -> None:
         assert r.status_code == 200 and r.headers["access-control-allow-origin"] == ORIGIN
         other = c.options(CHAT, headers={"origin": "http://evil.example", "access-control-request-method": "POST"})
         assert other.status_code == 400 and "access-control-allow-origin" not in other.headers
+
+
+def test_a_bad_key_is_an_authentication_error_as_llama_server_names_it() -> None:
+    """llama-server's `type` beside OpenAI's fields, so both kinds of client read it."""
+    with TestClient(build_app(FakeEngine(), api_key="k")) as c:
+        for headers in ({}, {"authorization": "Bearer wrong"}):
+            r = c.post(CHAT, json=BODY, headers=headers)
+            assert r.status_code == 401
+            assert r.json()["error"] == {"type": "authentication_error", "code": "invalid_api_key", "param": None,
+                                         "message": r.json()["error"]["message"]}
+            assert "API key" in r.json()["error"]["message"]
+
+
+def test_preflights_need_no_key_but_the_request_still_does() -> None:
+    preflight = {"origin": ORIGIN, "access-control-request-method": "POST",
+                 "access-control-request-headers": "authorization, content-type"}
+    with TestClient(build_app(FakeEngine(), api_key="k", cors_origins=[ORIGIN])) as c:
+        for path in (CHAT, "/completion", "/slots/0", "/apply-template"):
+            pre = c.options(path, headers=preflight)
+            assert pre.status_code == 200 and pre.headers["access-control-allow-origin"] == ORIGIN, path
+        r = c.post(CHAT, json=BODY, headers={"origin": ORIGIN})
+        assert r.status_code == 401 and r.headers["access-control-allow-origin"] == ORIGIN  # readable by the page
+        assert r.json()["error"]["type"] == "authentication_error"
+    with TestClient(build_app(FakeEngine(), api_key="k")) as c:  # no --cors-origin: no CORS, still no 401
+        pre = c.options(CHAT, headers=preflight)
+        assert pre.status_code == 405 and "access-control-allow-origin" not in pre.headers
+        assert c.post(CHAT, json=BODY).status_code == 401

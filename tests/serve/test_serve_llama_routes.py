@@ -1,4 +1,4 @@
-"""llama-server's routes and fields: /completion, /tokenize, /detokenize, /props, /version,
+"""llama-server's routes and fields: /completion, /tokenize, /detokenize, /apply-template, /props, /version,
 the OpenAI routes without /v1, and `timings` everywhere llama-server sends it."""
 
 from __future__ import annotations
@@ -221,7 +221,32 @@ def test_llama_routes_ask_for_the_key() -> None:
                                       ("POST", "/completions", {"prompt": "hi", "max_tokens": 2}),
                                       ("GET", "/models", None), ("GET", "/props", None),
                                       ("POST", "/tokenize", {"content": "hi"}),
-                                      ("POST", "/detokenize", {"tokens": [11]}), ("GET", "/version", None)]:
+                                      ("POST", "/detokenize", {"tokens": [11]}), ("GET", "/version", None),
+                                      ("POST", "/apply-template", {"messages": body["messages"]})]:
             assert c.request(method, path, json=payload).status_code == 401, path
             ok = c.request(method, path, json=payload, headers={"authorization": "Bearer k"})
             assert ok.status_code == 200, (path, ok.text)
+
+
+def test_apply_template_gives_the_prompt_the_chat_route_would_read(http: httpx.Client, engine: FakeEngine) -> None:
+    """llama-server's {messages} -> {prompt}: template applied, generation prompt added."""
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "hi"}]
+    r = http.post("/apply-template", json={"messages": messages})
+    assert r.status_code == 200, r.text
+    assert r.json() == {"prompt": "<|system|>Be brief.\n<|user|>hi\n<|assistant|>"}
+    chat = http.post("/chat/completions", json={"messages": messages, **GREEDY})
+    assert engine.calls[-1][0] == ids(r.json()["prompt"])  # the very prompt a chat request is shown
+    assert chat.status_code == 200
+    assert http.post("/apply-template", json={"messages": messages, "add_generation_prompt": False}).json() == {
+        "prompt": "<|system|>Be brief.\n<|user|>hi\n"}
+    thinking = http.post("/apply-template", json={"messages": messages,
+                                                   "chat_template_kwargs": {"enable_thinking": True}})
+    assert thinking.json()["prompt"].endswith("<|assistant|><think>")
+    n_calls = len(engine.calls)
+    for body, param in (({}, "messages"), ({"messages": []}, "messages"),
+                        ({"messages": [{"role": "user", "content": "BREAK THE TEMPLATE"}]}, "messages"),
+                        ({"messages": messages, "bogus": 1}, "bogus")):
+        bad = http.post("/apply-template", json=body)
+        assert bad.status_code == 400, (body, bad.text)
+        assert bad.json()["error"]["param"] == param, bad.text
+    assert len(engine.calls) == n_calls  # nothing generated

@@ -33,14 +33,22 @@ def _chat(http: httpx.Client) -> dict:
     return r.json()
 
 
+STRATA_FIELDS = ("id", "state", "n_tokens", "chunks")
+
+
+def _strata(rows: list[dict]) -> list[dict]:
+    """Strata's own fields of each /slots row (llama-server's come beside them)."""
+    return [{k: row[k] for k in STRATA_FIELDS} for row in rows]
+
+
 def test_slots_list_states_and_save_restore_answers(http: httpx.Client, engine: FakeEngine) -> None:
-    assert http.get("/slots").json() == [
+    assert _strata(http.get("/slots").json()) == [
         {"id": 0, "state": "empty", "n_tokens": 0, "chunks": 0},
         {"id": 1, "state": "empty", "n_tokens": 0, "chunks": 0},
     ]
     usage = _chat(http)["usage"]
     held = usage["prompt_tokens"] + usage["completion_tokens"]
-    slots = http.get("/slots").json()
+    slots = _strata(http.get("/slots").json())
     assert slots[0] == {"id": 0, "state": "idle", "n_tokens": held, "chunks": 0}
     assert slots[1]["state"] == "empty"
     engine.config.session_dir = "/sessions"
@@ -66,6 +74,58 @@ def test_a_busy_lane_is_listed_busy(http: httpx.Client, engine: FakeEngine) -> N
         assert [s["state"] for s in http.get("/slots").json()] == ["busy", "empty"]
 
 
+def test_slots_carry_llama_servers_fields(http: httpx.Client, engine: FakeEngine) -> None:
+    """id_task, n_ctx, is_processing, speculative, params and next_token, as llama-server reports them."""
+    idle = http.get("/slots").json()
+    for row in idle:
+        assert row["id_task"] == -1 and row["n_ctx"] == 256 and row["speculative"] is False
+        assert row["is_processing"] is False and row["params"] is None
+        assert row["next_token"] == {"has_next_token": False, "n_remain": -1, "n_decoded": 0}
+    engine.delay = 0.05
+    body = {"model": "m", "messages": [{"role": "user", "content": "LONG"}], "stream": True, "max_tokens": 50,
+            "temperature": 0.5, "top_k": 7}
+    with http.stream("POST", "/v1/chat/completions", json=body) as r:
+        lines = r.iter_lines()
+        next(lines)
+        next(lines)
+        busy, other = http.get("/slots").json()
+        assert busy["is_processing"] is True and other["is_processing"] is False
+        assert busy["id_task"] >= 1 and busy["n_prompt_tokens"] == len(engine.calls[-1][0])
+        assert busy["params"]["temperature"] == 0.5 and busy["params"]["top_k"] == 7
+        assert busy["params"]["n_predict"] == 50
+        nt = busy["next_token"]
+        assert nt["has_next_token"] is True and nt["n_decoded"] >= 1 and nt["n_remain"] == 50 - nt["n_decoded"]
+
+
+def test_erase_forgets_an_idle_lanes_conversation(http: httpx.Client, engine: FakeEngine) -> None:
+    """No --session-dir needed; no body, or an empty object, as llama-server's scripts send."""
+    usage = _chat(http)["usage"]
+    held = usage["prompt_tokens"] + usage["completion_tokens"]
+    r = http.post("/slots/0?action=erase")
+    assert r.status_code == 200, r.text
+    assert r.json() == {"id_slot": 0, "n_erased": held}
+    assert _strata(http.get("/slots").json())[0] == {"id": 0, "state": "empty", "n_tokens": 0, "chunks": 0}
+    assert _chat(http)["usage"]["prompt_tokens_details"]["cached_tokens"] == 0  # read from token 0
+    r = http.post("/slots/1?action=erase", json={})
+    assert r.json() == {"id_slot": 1, "n_erased": 0}
+    assert engine.session_calls == [("erase", 0, ""), ("erase", 1, "")]
+
+
+def test_erase_of_a_busy_lane_is_409_and_bad_ids_or_bodies_are_400(http: httpx.Client,
+                                                                   engine: FakeEngine) -> None:
+    _error(http.post("/slots/2?action=erase"), 400, "id_slot")
+    _error(http.post("/slots/0?action=erase", json={"filename": "x"}), 400, "filename")
+    _error(http.post("/slots/0?action=erase", json=[1]), 400)
+    assert engine.session_calls == []
+    engine.delay = 0.05
+    body = {"model": "m", "messages": [{"role": "user", "content": "LONG"}], "stream": True}
+    with http.stream("POST", "/v1/chat/completions", json=body) as r:
+        lines = r.iter_lines()
+        next(lines)
+        err = _error(http.post("/slots/0?action=erase"), 409, "id_slot")
+        assert err["code"] == "slot_busy" and "busy" in err["message"]
+
+
 def test_without_session_dir_the_answer_is_501_naming_the_flag(http: httpx.Client) -> None:
     for action in ("save", "restore"):
         err = _error(http.post(f"/slots/0?action={action}", json={"filename": "x"}), 501)
@@ -73,7 +133,7 @@ def test_without_session_dir_the_answer_is_501_naming_the_flag(http: httpx.Clien
 
 
 @pytest.mark.parametrize("url, body, param", [
-    ("/slots/0?action=erase", {"filename": "x"}, "action"),
+    ("/slots/0?action=delete", {"filename": "x"}, "action"),
     ("/slots/0", {"filename": "x"}, "action"),
     ("/slots/2?action=save", {"filename": "x"}, "id_slot"),
     ("/slots/-1?action=save", {"filename": "x"}, "id_slot"),
