@@ -23,8 +23,9 @@ class JsonFormatter(logging.Formatter):
 
 
 def configure_logging(level: str, fmt: str = "text") -> None:
-    """The root logger's one handler (stderr) in `fmt` ("text" or "json"), at `level`."""
+    """The root logger's one handler (stderr) in `fmt` ("text" or "json"), at `level`; a root
+    logger that has handlers already (an embedding program's, a test runner's) keeps them."""
     handler = logging.StreamHandler()
     handler.setFormatter(JsonFormatter() if fmt == "json" else logging.Formatter(TEXT))
-    logging.basicConfig(level=level.upper(), handlers=[handler], force=True)
+    logging.basicConfig(level=level.upper(), handlers=[handler])
     logging.getLogger("strata").setLevel(level.upper())
