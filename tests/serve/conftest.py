@@ -17,9 +17,9 @@ import httpx
 import openai
 import pytest
 import uvicorn
+from fake_engine import FakeEngine
 
 from strata.serve import build_app
-from fake_engine import FakeEngine
 
 API_KEY = "test-key"
 
@@ -28,6 +28,20 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return int(s.getsockname()[1])
+
+
+def wait_for_health(url: str, timeout: float, status: str = "ok") -> bool:
+    """Poll a server process's /health until it reports `status` ("ok", or "loading" while the
+    model loads); False when it did not within `timeout` seconds."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            if httpx.get(f"{url}/health", timeout=1).json().get("status") == status:
+                return True
+        except (httpx.TransportError, ValueError):
+            pass
+        time.sleep(0.1)
+    return False
 
 
 class ServerThread:

@@ -6,10 +6,8 @@ import json
 import logging
 import subprocess
 import sys
-import time
 
-import httpx
-from conftest import free_port
+from conftest import free_port, wait_for_health
 from test_serve_flags import ENV, FAKE_SERVER
 
 from strata.serve.log_format import JsonFormatter
@@ -33,13 +31,7 @@ def test_the_server_logs_json_lines() -> None:
     proc = subprocess.Popen([sys.executable, str(FAKE_SERVER), "--port", str(port), "--log-format", "json"],
                             env=ENV, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
-        deadline = time.monotonic() + 20
-        while time.monotonic() < deadline:
-            try:
-                if httpx.get(f"http://127.0.0.1:{port}/health", timeout=1).status_code == 200:
-                    break
-            except httpx.TransportError:
-                time.sleep(0.1)
+        assert wait_for_health(f"http://127.0.0.1:{port}", 20)
     finally:
         proc.terminate()
         output, _ = proc.communicate(timeout=20)

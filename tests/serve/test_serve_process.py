@@ -10,7 +10,7 @@ import time
 from pathlib import Path
 
 import httpx
-from conftest import free_port
+from conftest import free_port, wait_for_health
 
 FAKE_SERVER = Path(__file__).with_name("fake_server.py")
 
@@ -64,13 +64,7 @@ def test_sigint_while_loading_exits_130_in_one_line() -> None:
     which an interpreter shutting down around it would abort), with one line and status 130."""
     port = free_port()
     proc = start(port, FAKE_LOAD_S="30")
-    deadline = time.monotonic() + 20
-    while time.monotonic() < deadline:  # the server answers (loading) before the signal
-        try:
-            if httpx.get(f"http://127.0.0.1:{port}/health", timeout=1).json()["status"] == "loading":
-                break
-        except httpx.TransportError:
-            time.sleep(0.05)
+    assert wait_for_health(f"http://127.0.0.1:{port}", 20, "loading")  # it answers before the signal
     started = time.monotonic()
     proc.send_signal(signal.SIGINT)
     out, _ = proc.communicate(timeout=20)
@@ -102,14 +96,7 @@ def test_sigint_mid_stream_ends_the_stream_with_a_last_event() -> None:
                     first.set()
 
     try:
-        deadline = time.monotonic() + 120
-        while time.monotonic() < deadline:
-            try:
-                if httpx.get(f"{url}/health", timeout=1).status_code == 200:
-                    break
-            except httpx.TransportError:
-                pass
-            time.sleep(0.2)
+        assert wait_for_health(url, 120)
         reader = threading.Thread(target=client)
         reader.start()
         assert first.wait(60)
