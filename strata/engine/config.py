@@ -139,35 +139,49 @@ class EngineArgumentParser(argparse.ArgumentParser):
     ) -> tuple[argparse.Namespace, list[str]]:
         ns, rest = super().parse_known_args(args, namespace)
         try:
-            finish_engine_args(ns)
+            engine_overrides(ns)
         except ValueError as e:
             self.error(str(e))
         return ns, rest
 
 
-def finish_engine_args(ns: argparse.Namespace) -> None:
-    """Fold llama-server's spellings into Strata's flags (idempotent: argparse may run it
-    twice); ValueError names what is wrong and what would be right."""
-    k, v = getattr(ns, "cache_type_k", None), getattr(ns, "cache_type_v", None)
-    if k is not None or v is not None:
-        pair = (k or LLAMA_DEFAULT_CACHE_TYPE, v or LLAMA_DEFAULT_CACHE_TYPE)
-        kv = CACHE_TYPE_PAIRS.get(pair)
-        if kv is None:
-            pairs = ", ".join(f"{a}/{b} (--kv {f})" for (a, b), f in CACHE_TYPE_PAIRS.items())
-            raise ValueError(f"-ctk {pair[0]} -ctv {pair[1]}: no Strata KV format stores that pair; "
-                             f"the pairs that exist: {pairs}")
-        if getattr(ns, "kv", "auto") not in ("auto", kv):
-            raise ValueError(f"--kv {ns.kv} contradicts -ctk {pair[0]} -ctv {pair[1]} (= --kv {kv}); give one")
-        ns.kv = kv
-    layers = getattr(ns, "gpu_layers", None)
-    if layers is not None:
-        device = getattr(ns, "device", "auto")
-        if layers == 0 and device not in ("auto", "cpu"):
+def kv_of_cache_types(kv: str, k: str | None, v: str | None) -> str:
+    """The --kv format llama-server's -ctk/-ctv pair names (`kv` itself when neither is given);
+    ValueError names what is wrong and what would be right."""
+    if k is None and v is None:
+        return kv
+    pair = (k or LLAMA_DEFAULT_CACHE_TYPE, v or LLAMA_DEFAULT_CACHE_TYPE)
+    fmt = CACHE_TYPE_PAIRS.get(pair)
+    if fmt is None:
+        pairs = ", ".join(f"{a}/{b} (--kv {f})" for (a, b), f in CACHE_TYPE_PAIRS.items())
+        raise ValueError(f"-ctk {pair[0]} -ctv {pair[1]}: no Strata KV format stores that pair; "
+                         f"the pairs that exist: {pairs}")
+    if kv not in ("auto", fmt):
+        raise ValueError(f"--kv {kv} contradicts -ctk {pair[0]} -ctv {pair[1]} (= --kv {fmt}); give one")
+    return fmt
+
+
+def device_of_gpu_layers(device: str, layers: int | None) -> str:
+    """The --device llama-server's -ngl implies: 0 keeps every layer on the CPU, more asks for
+    the GPU (`device` as given); ValueError when the two contradict."""
+    if layers is None:
+        return device
+    if layers == 0:
+        if device not in ("auto", "cpu"):
             raise ValueError(f"-ngl 0 keeps every layer on the CPU, but --device is {device}")
-        if layers == 0:
-            ns.device = "cpu"
-        elif device == "cpu":
-            raise ValueError(f"-ngl {layers} asks for layers on the GPU, but --device is cpu")
+        return "cpu"
+    if device == "cpu":
+        raise ValueError(f"-ngl {layers} asks for layers on the GPU, but --device is cpu")
+    return device
+
+
+def engine_overrides(ns: argparse.Namespace) -> dict[str, str]:
+    """The EngineConfig values llama-server's spellings decide (--kv from -ctk/-ctv, --device from
+    -ngl), computed from the parsed flags without changing them."""
+    return {"kv": kv_of_cache_types(getattr(ns, "kv", EngineConfig.kv), getattr(ns, "cache_type_k", None),
+                                    getattr(ns, "cache_type_v", None)),
+            "device": device_of_gpu_layers(getattr(ns, "device", EngineConfig.device),
+                                           getattr(ns, "gpu_layers", None))}
 
 
 def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
@@ -393,7 +407,7 @@ def add_stage_link_arguments(g: argparse._ArgumentGroup, d: EngineConfig) -> Non
 def config_from_args(args: argparse.Namespace) -> EngineConfig:
     """The EngineConfig named by parsed flags (flags not declared keep their defaults)."""
     values = {f.name: getattr(args, f.name) for f in fields(EngineConfig) if hasattr(args, f.name)}
-    return EngineConfig(**values)
+    return EngineConfig(**{**values, **engine_overrides(args)})
 
 
 def split_of(config: EngineConfig) -> LocalSplit | RemoteSplit | None:
