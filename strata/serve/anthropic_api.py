@@ -150,6 +150,8 @@ async def messages(request: Request) -> Response:
     request_info(request)["user"] = req.metadata.user_id if req.metadata else None
     prompt_text, prompt_ids, setup, kwargs = await _render(state, req)
     max_tokens = g.fit_max_tokens(len(prompt_ids), req.max_tokens, state.max_context(), "max_tokens")
+    cuts = await g.cut_points(state.ready_engine(), setup.messages, kwargs, setup.template_tools, prompt_text,
+                              prompt_ids)
     params = g.sampling_params(
         max_tokens=max_tokens,
         temperature=req.temperature,
@@ -157,9 +159,8 @@ async def messages(request: Request) -> Response:
         top_k=req.top_k,
         stop=req.stop_sequences,
         grammar=setup.grammar,
+        cut_points=cuts,
     )
-    params.cut_points = await g.cut_points(state.ready_engine(), setup.messages, kwargs, setup.template_tools,
-                                           prompt_text, prompt_ids)
     opens = prompt_opens_thinking(prompt_text)
     budget = req.thinking.budget_tokens if isinstance(req.thinking, ThinkingEnabled) else None
     gen = g.Generation.for_request(request, state, prompt_ids, params, starts_in_thinking=opens,

@@ -89,7 +89,10 @@ def _tool_request(req: ChatCompletionRequest) -> ToolRequest | None:
     return ToolRequest(tools, choice or "auto", None, parallel)
 
 
-def _params(req: SamplingFields, max_tokens: int, logprobs: int | None, grammar: str | None = None) -> Any:
+def _params(req: SamplingFields, max_tokens: int, logprobs: int | None, grammar: str | None = None,
+            cut_points: list[int] | None = None) -> Any:
+    """`cut_points`: the chat's message ends in the prompt (`g.cut_points`), for a model that
+    checkpoints there."""
     return g.sampling_params(
         max_tokens=max_tokens,
         temperature=req.temperature,
@@ -108,6 +111,7 @@ def _params(req: SamplingFields, max_tokens: int, logprobs: int | None, grammar:
         stop_token_ids=list(req.stop_token_ids or []),
         logit_bias={int(k): v for k, v in (req.logit_bias or {}).items()},
         progress=req.return_progress,
+        cut_points=list(cut_points or []),
     )
 
 
@@ -198,8 +202,8 @@ async def chat_completions(request: Request) -> Response:
     field = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
     max_tokens = g.fit_max_tokens(len(prompt_ids), req.wanted_max_tokens(), state.max_context(), field)
     top = req.top_logprobs or 0
-    params = _params(req, max_tokens, req.wanted_logprobs(), setup.grammar)
-    params.cut_points = await g.cut_points(engine, setup.messages, kwargs, setup.template_tools, prompt_text, prompt_ids)
+    cuts = await g.cut_points(engine, setup.messages, kwargs, setup.template_tools, prompt_text, prompt_ids)
+    params = _params(req, max_tokens, req.wanted_logprobs(), setup.grammar, cuts)
     gen = g.Generation.for_request(request, state, prompt_ids, params)
     splitter = ThinkSplitter(prompt_opens_thinking(prompt_text))
     await g.start(request, gen, stream=req.stream)
