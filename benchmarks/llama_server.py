@@ -62,7 +62,8 @@ class LlamaServer:
                 self.proc.kill()
 
     def sender(self, n_predict: int, cache_prompt: bool) -> Send:
-        """Requests timed to their first streamed token: (ttft s, reused prompt tokens, answer ids)."""
+        """Requests timed to their first streamed token: (ttft s, reused prompt tokens, answer ids).
+        The cut points Strata is given have no llama-server field: it places its own checkpoints."""
 
         def send(prompt: list[int], cuts: list[int]) -> tuple[float, int, list[int]]:
             body: dict[str, Any] = {"prompt": prompt, "n_predict": n_predict, "temperature": 0.0,
