@@ -60,6 +60,9 @@ class EngineConfig:
     expert_policy: str = "lfru"  # which cached expert gives its slot up: lru | lfu | lfru
     chat_template: str | None = None  # Jinja text of --chat-template FILE; None = the model's own
     gpu_layers: int | None = None  # llama-server's -ngl: None or -1 = all; checked once loaded
+    spec: int = 0  # drafted tokens a decoding lane may carry into a step (speculative.py); 0 = off
+    spec_min_p: float = 0.0  # a draft stops before a token whose confidence is below this
+    suffix_draft: bool = True  # the suffix proposer: drafts from the conversation and finished ones
 
 
 DEFAULT_KV_CHUNK = 4096
@@ -253,6 +256,16 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
                         "a regenerate resumes from the nearest one instead of token 0 (0: none)")
     r.add_argument("--prompt-cache-min-step", type=int, default=d.prompt_cache_min_step, metavar="T",
                    help="also checkpoint every T prompt tokens read (0: only at the chat's cut points)")
+    sp = parser.add_argument_group("speculative decoding (docs/SPECULATIVE.md)")
+    sp.add_argument("--spec", type=spec_arg, default=d.spec, metavar="N|auto|off",
+                    help="let a decoding lane carry up to N drafted tokens into a step, verified in "
+                         f"the same forward (the answer does not change); auto = {AUTO_SPEC}; "
+                         "default off")
+    sp.add_argument("--spec-min-p", type=probability_arg, default=d.spec_min_p, metavar="P",
+                    help="stop a draft before its first token whose confidence is below P (default 0)")
+    sp.add_argument("--suffix-draft", type=int, choices=[0, 1], default=int(d.suffix_draft), metavar="0|1",
+                    help="draft from where the conversation's last tokens occurred before, in it or in "
+                         "finished conversations (default 1)")
     e = parser.add_argument_group("mixture of experts (docs/MOE.md)")
     e.add_argument("--experts-on", default=d.experts_on, choices=["device", "host"],
                    help="where a MoE model's routed experts live: device (all resident) or host "
@@ -286,6 +299,31 @@ def add_threads_argument(g: argparse._ArgumentGroup, governed: bool = True) -> N
                    help="CPU threads for torch and the C++ kernels: N forces N; auto (default) takes "
                         "the CPUs of the affinity mask, at most the cgroup's CPU quota"
                         + (fewer if governed else ""))
+
+
+AUTO_SPEC = 4  # --spec auto: the draft length measured best on the CPU (docs/SPECULATIVE.md)
+
+
+def spec_arg(text: str) -> int:
+    """--spec: a count of drafts, auto, or off (0)."""
+    if text == "auto":
+        return AUTO_SPEC
+    if text == "off":
+        return 0
+    if text.isdigit() and int(text) <= 64:
+        return int(text)
+    raise argparse.ArgumentTypeError(f"choose from auto, off or a count of 0..64, not {text!r}")
+
+
+def probability_arg(text: str) -> float:
+    """A number in [0, 1]."""
+    try:
+        value = float(text)
+    except ValueError:
+        value = -1.0
+    if not 0.0 <= value <= 1.0:
+        raise argparse.ArgumentTypeError(f"a number from 0 to 1, not {text!r}")
+    return value
 
 
 def kv_arg(text: str) -> str:

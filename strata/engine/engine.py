@@ -32,12 +32,13 @@ from strata.engine.conversation_cache import ConversationCache
 from strata.engine.grammar import Grammars
 from strata.engine.masks import GrammarMasks
 from strata.engine.parking import Parking
-from strata.engine.pipeline import Launched, continuation
+from strata.engine.pipeline import Launched, continuation, plain_greedy
 from strata.engine.request import Request, RequestHandle
 from strata.engine.runner import Runner, graphs_factory
 from strata.engine.sampling import has_penalties, make_generator, sample
 from strata.engine.scheduler import Lane, Scheduler, Step
 from strata.engine.sessions import SessionFiles, SessionResult
+from strata.engine.speculative import SpecConfig, Speculator
 from strata.engine.stats import describe_memory, memory_figures, pool_and_lane_figures
 from strata.engine.stop import StopMatcher
 from strata.engine.threads import CpuThreads, find_cores
@@ -74,6 +75,15 @@ log = logging.getLogger("strata.engine")
 EXPERT_RESERVE = 2 << 30  # device bytes --expert-cache auto leaves for activations and graphs
 
 _KV_AUTO = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}
+
+
+def first_logit_rows(sample: list[int]) -> list[int]:
+    """Each step sequence's first row in the step's logits (sequences sample `sample[i]` rows)."""
+    rows, r = [], 0
+    for wanted in sample:
+        rows.append(r)
+        r += int(wanted)
+    return rows
 
 
 class Engine:
@@ -207,11 +217,30 @@ class Engine:
         self.pipeline = config.pipeline == "on" or (config.pipeline == "auto" and self.runner.graphs is not None)
         if self.states is not None:  # a wasted step would carry the state past the lane's tokens
             self.pipeline = False
+        self.speculator = self._speculator()
+        if self.speculator is not None:  # a draft needs the last token on the host to be proposed
+            self.pipeline = False
         self.stop_ids = set(self.tokenizer.stop_token_ids)
         self.sessions = SessionFiles(self.scheduler, config.session_dir, self.loaded.identity, mc.vocab_size)
         # the server checks grammars (`engine.grammars.check`) from its threads before submitting
         self.grammars = Grammars(self.tokenizer, mc.vocab_size)
         self.masks = GrammarMasks(self.grammars.vocab_size, pin=self.device.type == "cuda")
+
+    def _speculator(self) -> Speculator | None:
+        """--spec N: drafts for decoding lanes (speculative.py); None when off."""
+        config = self.config
+        if config.spec < 0 or not 0.0 <= config.spec_min_p <= 1.0:
+            raise BadRequest("--spec must be at least 0 and --spec-min-p in [0, 1]", "spec")
+        spec = SpecConfig(config.spec, config.spec_min_p, bool(config.suffix_draft))
+        if not spec.on:
+            return None
+        if self.states is not None:
+            raise BadRequest(f"--spec: {self.model_name} has recurrent or sliding-window layers, whose "
+                             "state cannot be rolled back past rejected drafts yet; run it without --spec",
+                             "spec")
+        log.info("speculative decoding: up to %d drafts a step (suffix proposer, min confidence %.2f)",
+                 spec.n, spec.min_p)
+        return Speculator(spec)
 
     def _cache_experts(self, slots: str) -> None:
         """--expert-cache: the experts loaded to the host get N device slots per layer (auto:
@@ -350,7 +379,8 @@ class Engine:
             stages=self.runner.describe_stages(), knobs=knob_values(),
             **memory_figures(self.loaded, self.pool), **self.cpu_threads.figures(),
             expert_cache=self.expert_stats.figures() if self.expert_stats is not None else None,
-            checkpoints=self.checkpoints.stats.as_dict() if self.checkpoints is not None else None)
+            checkpoints=self.checkpoints.stats.as_dict() if self.checkpoints is not None else None,
+            speculation=self.speculator.figures() if self.speculator is not None else None)
         return figures
 
     def cancel_all(self) -> None:
@@ -423,6 +453,8 @@ class Engine:
             if self.scheduler.waiting and self.runner.reconnect_if_lost():
                 self.scheduler.forget_idle()  # a new worker holds none of the lanes' K/V
             self._admit()
+            if self.speculator is not None:
+                self._draft()
             step, stuck = self.scheduler.plan()
             for lane in stuck:
                 self._truncate(lane)
@@ -434,6 +466,17 @@ class Engine:
             if inflight is not None and (inflight.ids is None or not self.pipeline):
                 self._complete(inflight)
                 inflight = None
+
+    def _draft(self) -> None:
+        """Drafts for the decoding lanes' next step, within what their limits leave: the bonus
+        token after the drafts must still fit max_tokens, and every position the context."""
+        for lane in self.scheduler.lanes:
+            req = lane.request
+            if req is None or req.prefilling or lane.pending is None:
+                continue
+            room = min(req.params.max_tokens - len(req.output) - 1,
+                       self.config.max_context - 2 - len(lane.tokens))
+            lane.drafts = self.speculator.draft(req, room)  # type: ignore[union-attr]
 
     def _launch(self, step: Step, forward: Callable[[], torch.Tensor]) -> Launched | None:
         """Run a step's forward; a greedy decode step also gets its tokens, left on the device."""
@@ -528,6 +571,8 @@ class Engine:
         step = launched.step
         lanes_sampled: list[Lane] = []
         rows: list[int] = []
+        verifying: list[tuple[Lane, int, Request]] = []  # lanes that fed drafts, their first logits row
+        first = first_logit_rows(step.sample)
         for i, (seq, lane, wanted, req) in enumerate(zip(step.seqs, step.lanes, step.sample, launched.reqs)):
             if req is None or lane.request is not req:
                 continue  # the request ended (or was cancelled) after this step was launched
@@ -542,9 +587,13 @@ class Engine:
                 assert lane.pending is not None
                 lane.tokens.append(lane.pending)
                 lane.pending = None
-            if wanted:
+            if wanted > 1:
+                verifying.append((lane, first[i], req))
+            elif wanted:
                 lanes_sampled.append(lane)
                 rows.append(i)
+        for lane, row, req in verifying:
+            self._verify(lane, launched.logits, row, req)
         words = None
         if launched.masks is not None:  # lanes whose matcher failed end here, without a token
             words, failed = self.masks.wait(launched.masks, lanes_sampled, rows)
@@ -567,22 +616,53 @@ class Engine:
                 words: torch.Tensor | None) -> tuple[list[int], list[Any]]:
         """Tokens and logprobs of the step's rows `rows`, after the requests' controls."""
         reqs: list[Request] = [lane.request for lane in lanes]  # type: ignore[misc]
-        sampled_rows = [i for i, w in enumerate(launched.step.sample) if w]
+        first = first_logit_rows(launched.step.sample)
+        keep = [first[i] for i in rows]
         logits = launched.logits
-        if len(rows) != len(sampled_rows):
-            keep = [sampled_rows.index(i) for i in rows]
+        if keep != list(range(logits.shape[0])):
             logits = logits[torch.tensor(keep, device=logits.device)]
+        return self._pick(logits, reqs, words, launched, rows)
+
+    def _pick(self, logits: torch.Tensor, reqs: list[Request], words: torch.Tensor | None = None,
+              launched: Launched | None = None, rows: list[int] | None = None) -> tuple[list[int], list[Any]]:
+        """Tokens and logprobs of `logits` (one row per request) after the requests' controls; with
+        `words`, the grammar masks of `launched`'s step rows `rows` apply."""
         vocab = logits.shape[1]
         scores = biased(logits, [r.params.logit_bias for r in reqs],
                         [banned_ids(r.params, len(r.output), self.stop_ids, vocab) for r in reqs])
-        if words is not None and launched.masks is not None:
+        if words is not None and launched is not None and launched.masks is not None:
             scores = self.masks.apply(logits.float() if scores is None else scores, launched.masks,
-                                      words, rows)
+                                      words, rows)  # type: ignore[arg-type]
         histories = ([r.prompt + r.output for r in reqs] if any(has_penalties(r.params) for r in reqs)
                      else [[]] * len(reqs))
         result = sample(logits, [r.params for r in reqs], histories, [r.generator for r in reqs],
                         [len(r.prompt) for r in reqs], scores=scores)
         return result.tokens.tolist(), result.logprobs
+
+    def _verify(self, lane: Lane, logits: torch.Tensor, row: int, req: Request) -> None:
+        """Sample a lane's fed run row by row, keeping each draft its row's token equals; the first
+        token that differs, or the one after the last draft, becomes the lane's pending token.
+
+        Each token goes through `_accept` (stops, limits, events) as if decoded alone; rows past
+        the first mismatch are never sampled, so a seeded request draws the same noise as
+        without drafts. Rejected drafts' K/V lies past `lane.tokens`: rolled back by length."""
+        drafts, lane.drafts = lane.drafts, []
+        rows = logits[row : row + len(drafts) + 1]
+        ids = rows.argmax(dim=-1).tolist() if plain_greedy(req) else None  # one sync for the run
+        accepted = 0
+        for j in range(len(drafts) + 1):
+            tok, lp = (ids[j], None) if ids is not None else self._one(req, rows[j : j + 1])
+            self._accept(lane, tok, lp)
+            if lane.request is not req or j == len(drafts) or tok != drafts[j]:
+                break
+            lane.tokens.append(tok)  # the draft's K/V is in the pool already
+            lane.pending = None
+            accepted += 1
+        self.speculator.verified(req, len(drafts), accepted)  # type: ignore[union-attr]
+
+    def _one(self, req: Request, logits: torch.Tensor) -> tuple[int, Any]:
+        tokens, logprobs = self._pick(logits, [req])
+        return tokens[0], logprobs[0]
 
     def _accept(self, lane: Lane, tok: int, lp: Any) -> None:
         req = lane.request
@@ -644,6 +724,8 @@ class Engine:
         assert req is not None
         ev = self._event(req, text, toks, reason, logprobs=logprobs, stop=stop, truncated=truncated)
         self.scheduler.release_lane(lane, keep_cache=not truncated)
+        if self.speculator is not None:
+            self.speculator.finished(req)
         req.finish = reason
         req.handle.publish(ev)
 

@@ -72,7 +72,7 @@ class DecodeGraphs:
         self.sizes = [s for s in SIZES if s < pool.num_lanes] + [pool.num_lanes]
         self._entries: dict[int, _Entry] = {}
 
-    def supports(self, seqs: list[SeqSpec], sample: list[bool]) -> bool:
+    def supports(self, seqs: list[SeqSpec], sample: list[int]) -> bool:
         """A pure decode step whose every lane is sampled (what the graph computes)."""
         return bool(seqs) and len(seqs) <= self.sizes[-1] and all(s.n == 1 for s in seqs) and all(sample)
 

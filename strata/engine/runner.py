@@ -60,8 +60,8 @@ class Runner:
         return self.forward(seqs, ids.tolist(), [True] * len(seqs))
 
     @torch.inference_mode()
-    def forward(self, seqs: list[SeqSpec], tokens: list[int], sample: list[bool]) -> torch.Tensor:
-        """Logits (float32) of the last row of every sequence with `sample` set, in order."""
+    def forward(self, seqs: list[SeqSpec], tokens: list[int], sample: list[int]) -> torch.Tensor:
+        """Logits (float32) of the rows `sampled_rows(seqs, sample)` names, in order."""
         if self.graphs is not None and self.graphs.supports(seqs, sample):
             return self.graphs.forward(seqs, tokens)  # valid until the next step: sample at once
         input_ids = torch.tensor(tokens, dtype=torch.int64, device=self.device)

@@ -32,6 +32,7 @@ class Lane:
     tokens: list[int] = field(default_factory=list)  # tokens whose K/V the lane holds, in order
     request: Request | None = None
     pending: int | None = None  # sampled token still to be fed to the model
+    drafts: list[int] = field(default_factory=list)  # drafted tokens to feed after it (speculative.py)
     last_used: float = 0.0
 
 
@@ -54,7 +55,7 @@ class Step:
     seqs: list[SeqSpec]
     lanes: list[Lane]
     tokens: list[int]  # flattened input ids
-    sample: list[bool]  # per seq: its last row is sampled
+    sample: list[int]  # per seq: how many of its last rows are sampled (0, 1, or a verified run's all)
 
 
 def common_prefix(a: list[int], b: list[int]) -> int:
@@ -251,7 +252,7 @@ class Scheduler:
         seqs: list[SeqSpec] = []
         lanes: list[Lane] = []
         tokens: list[int] = []
-        sample: list[bool] = []
+        sample: list[int] = []
         stuck: list[Lane] = []
         for lane in self.lanes:
             req = lane.request
@@ -260,11 +261,17 @@ class Scheduler:
             pos = len(lane.tokens)
             if self.pool.backed(lane.index) <= pos and not self.reserve_for(lane, pos + 1):
                 stuck.append(lane)
+                lane.drafts = []
                 continue
-            seqs.append(SeqSpec(lane.index, pos, 1))
+            n = 1 + len(lane.drafts)  # drafts take free chunks only: no conversation is evicted for them
+            if self.pool.backed(lane.index) < pos + n and not self.pool.reserve(lane.index, pos + n):
+                lane.drafts = lane.drafts[: self.pool.backed(lane.index) - pos - 1]
+                n = 1 + len(lane.drafts)
+            seqs.append(SeqSpec(lane.index, pos, n))
             lanes.append(lane)
             tokens.append(lane.pending)
-            sample.append(True)
+            tokens.extend(lane.drafts)
+            sample.append(n)
         budget = self.prefill_chunk
         reading = [lane for lane in self.lanes if lane.request is not None and lane.request.prefilling]
         reading.sort(key=lambda lane: lane.request.id)  # type: ignore[union-attr]
@@ -306,6 +313,7 @@ class Scheduler:
         """The lane's request is over: keep its conversation for reuse, or give it all back."""
         lane.request = None
         lane.pending = None
+        lane.drafts = []
         lane.last_used = time.monotonic()
         if not keep_cache:
             lane.tokens = []

@@ -86,14 +86,13 @@ def key_cells(pool: KvPool, lanes: torch.Tensor, length: int) -> torch.Tensor:
     return cells_at(pool.tables, pool.chunk_size, lanes[:, None], pos[None, :])
 
 
-def sampled_rows(seqs: list[SeqSpec], sample: list[bool]) -> list[int]:
-    """The flattened row of each sampled sequence's last token, in order (whose logits a step
-    computes)."""
+def sampled_rows(seqs: list[SeqSpec], sample: list[int]) -> list[int]:
+    """The flattened rows whose logits a step computes, in order: the last `sample[i]` rows of
+    sequence i (1 (or True) for its last token, n for every row of a verified draft, 0 for none)."""
     rows, end = [], 0
     for s, wanted in zip(seqs, sample):
         end += s.n
-        if wanted:
-            rows.append(end - 1)
+        rows.extend(range(end - int(wanted), end))
     return rows
 
 

@@ -126,7 +126,7 @@ class SplitRunner:
         self.device = device
         self.graphs = head  # the engine pipelines decode steps when this is not None
 
-    def _decoding(self, seqs: list[SeqSpec], sample: list[bool]) -> bool:
+    def _decoding(self, seqs: list[SeqSpec], sample: list[int]) -> bool:
         return self.graphs is not None and self.graphs.supports(seqs, sample)
 
     def _decode(self, seqs: list[SeqSpec], tokens: list[int], ids: torch.Tensor | None) -> torch.Tensor:
@@ -154,8 +154,8 @@ class SplitRunner:
         return self.forward(seqs, ids.tolist(), [True] * len(seqs))
 
     @torch.inference_mode()
-    def forward(self, seqs: list[SeqSpec], tokens: list[int], sample: list[bool]) -> torch.Tensor:
-        """Logits (float32) of the last row of every sequence with `sample` set, in order."""
+    def forward(self, seqs: list[SeqSpec], tokens: list[int], sample: list[int]) -> torch.Tensor:
+        """Logits (float32) of the rows `sampled_rows(seqs, sample)` names, in order."""
         if self._decoding(seqs, sample):
             return self._decode(seqs, tokens, None)
         input_ids = torch.tensor(tokens, dtype=torch.int64, device=self.device)

@@ -1,0 +1,164 @@
+"""Speculative decoding: drafts for decoding lanes, and what verification accepted.
+
+A decoding lane may carry up to `--spec N` drafted tokens into a step: it
+feeds its pending token and the drafts as one run, the forward returns
+logits for every row of the run, and the engine samples row by row
+(`Engine._verify`), keeping drafts while each sampled token equals the
+draft at its place. The first token that differs (or the one after the last
+draft) is the lane's next pending token, so every step still yields at least
+one token. Rejected drafts are rolled back by length: their K/V stays in
+cells past the lane's tokens and is overwritten by the next step, no copy.
+
+Sampling row by row with the request's own generator, stopping at the first
+mismatch, draws exactly the noise a run without drafts would draw for the
+same tokens: for a draft proposed without a distribution (the suffix
+proposer's), accepting when the sample equals the draft is the speculative
+acceptance test against a point mass, so greedy and seeded output are the
+same tokens as without speculation wherever the forward's rows do not depend
+on their company (the CPU path; docs/SPECULATIVE.md).
+
+Proposers sit behind `Proposer`: today the suffix proposer (drafts from the
+conversation and from finished ones, `suffix.py`). Each lane's draft length
+adapts: it grows while drafts are accepted whole and shrinks to what was
+accepted, and a lane whose drafts keep failing pauses drafting for a while,
+so open text, where drafts rarely hold, costs little.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Protocol
+
+from strata.engine.suffix import SharedCorpus, TokenIndex, draft_from
+
+if TYPE_CHECKING:
+    from strata.engine.request import Request
+
+PAUSE_AFTER = 2  # verifications in a row accepting nothing before a lane pauses drafting
+PAUSE_STEPS = 4  # decode steps of the first pause; each further pause in a row doubles it
+MAX_PAUSE = 64
+SHARED_TOKENS = 1 << 16  # tokens of finished conversations kept for drafting in others
+
+
+@dataclass(frozen=True)
+class SpecConfig:
+    """--spec N (most drafts a lane carries into a step; 0: off), --spec-min-p, --suffix-draft."""
+
+    n: int = 0
+    min_p: float = 0.0  # a draft stops before its first token whose confidence is below this
+    suffix: bool = True  # drafts from the conversation and the finished ones (suffix.py)
+    shared_tokens: int = SHARED_TOKENS
+
+    @property
+    def on(self) -> bool:
+        return self.n > 0 and self.suffix
+
+
+class Proposer(Protocol):
+    """Drafts the tokens after a request's context; `name` labels its figures."""
+
+    name: str
+
+    def propose(self, req: Request, lane_state: LaneDrafting, k: int) -> list[int]: ...
+
+    def finished(self, req: Request, lane_state: LaneDrafting) -> None: ...
+
+
+@dataclass
+class ProposerStats:
+    proposed: int = 0  # draft tokens carried into steps
+    accepted: int = 0  # of those, kept by verification
+    verifications: int = 0  # lane-steps that carried a draft
+
+    def as_dict(self) -> dict[str, float]:
+        return {"drafted_tokens": self.proposed, "accepted_tokens": self.accepted,
+                "verifications": self.verifications,
+                "acceptance_rate": self.accepted / self.proposed if self.proposed else 0.0,
+                "mean_accepted_length": self.accepted / self.verifications if self.verifications else 0.0}
+
+
+@dataclass
+class LaneDrafting:
+    """One request's drafting: its own index, its current draft length and any pause."""
+
+    k: int
+    index: TokenIndex | None = None  # the request's prompt and output, built at its first draft
+    failures: int = 0  # verifications in a row that accepted nothing
+    pause: int = 0  # decode steps left without drafting
+    pauses: int = 0  # pauses in a row (the next one lasts longer)
+
+    def verified(self, drafted: int, accepted: int, most: int) -> None:
+        """Adapt to a verification: grow after a whole acceptance, shrink to what held, pause
+        after repeated failures (longer each time in a row)."""
+        if accepted == drafted:
+            self.k = min(most, self.k + 1)
+            self.failures = self.pauses = 0
+        else:
+            self.k = max(1, accepted + 1)
+        if accepted == 0:
+            self.failures += 1
+            if self.failures >= PAUSE_AFTER:
+                self.pause = min(MAX_PAUSE, PAUSE_STEPS << self.pauses)
+                self.pauses += 1
+                self.failures = 0
+        else:
+            self.failures = self.pauses = 0
+
+
+class SuffixProposer:
+    """Drafts read from where the context's tail occurred before: in the conversation itself,
+    then in the finished conversations of `corpus`."""
+
+    name = "suffix"
+
+    def __init__(self, corpus: SharedCorpus, min_p: float) -> None:
+        self.corpus = corpus
+        self.min_p = min_p
+
+    def propose(self, req: Request, state: LaneDrafting, k: int) -> list[int]:
+        ctx = req.prompt + req.output  # the last output token is the lane's pending one
+        if state.index is None:
+            state.index = TokenIndex(ctx)
+        else:
+            state.index.extend(ctx[len(state.index) :])
+        return draft_from([[state.index], self.corpus.sources()], ctx, k).cut(self.min_p)
+
+    def finished(self, req: Request, state: LaneDrafting) -> None:
+        self.corpus.add(req.prompt + req.output)
+
+
+class Speculator:
+    """The engine's drafting: which lanes draft, how many tokens, and the figures of it."""
+
+    def __init__(self, config: SpecConfig) -> None:
+        self.config = config
+        self.proposer: Proposer = SuffixProposer(SharedCorpus(config.shared_tokens), config.min_p)
+        self.stats = ProposerStats()
+        self._lanes: dict[int, LaneDrafting] = {}  # request id -> its drafting
+
+    def draft(self, req: Request, room: int) -> list[int]:
+        """Drafts for `req`'s next step, at most `room` tokens (what its limits leave)."""
+        if req.params.grammar is not None or room <= 0:  # a grammar's masks would need its matcher
+            return []  # advanced through the drafts: constrained requests do not draft
+        state = self._lanes.setdefault(req.id, LaneDrafting(self.config.n))
+        if state.pause > 0:
+            state.pause -= 1
+            return []
+        return self.proposer.propose(req, state, min(state.k, room))
+
+    def verified(self, req: Request, drafted: int, accepted: int) -> None:
+        self.stats.proposed += drafted
+        self.stats.accepted += accepted
+        self.stats.verifications += 1
+        state = self._lanes.get(req.id)
+        if state is not None:
+            state.verified(drafted, accepted, self.config.n)
+
+    def finished(self, req: Request) -> None:
+        """The request ended: its conversation becomes a source for others; its state goes."""
+        state = self._lanes.pop(req.id, None)
+        self.proposer.finished(req, state or LaneDrafting(self.config.n))
+
+    def figures(self) -> dict[str, Any]:
+        return {"proposer": self.proposer.name, "max_drafts": self.config.n, "min_p": self.config.min_p,
+                **self.stats.as_dict()}
