@@ -21,13 +21,16 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 import strata
 from strata.serve import anthropic_api, llama_api, openai_api, slots
+from strata.serve.chat_page import PAGE_PATHS, chat_page_router
 from strata.serve.errors import ApiError, error_response
 from strata.serve.state import ENGINE_STOPPED, ServeState, serve_state
 from strata.serve.streaming import ClientDisconnected
 
 log = logging.getLogger("strata.serve")
 
-OPEN_PATHS = {"/health"}  # answered without an API key: load balancers probe it
+# Answered without an API key: load balancers probe /health; the chat page (when served) is
+# public and sends the key its user types on its API calls.
+OPEN_PATHS = frozenset({"/health"})
 # What the OpenAI and Anthropic SDKs send from a browser.
 CORS_HEADERS = ["authorization", "content-type", "x-api-key", "anthropic-version", "anthropic-beta",
                 "anthropic-dangerous-direct-browser-access", "openai-organization", "openai-project",
@@ -45,17 +48,19 @@ class AccessMiddleware:
     in the API's error shape and the server keeps going.
     """
 
-    def __init__(self, app: ASGIApp, state: ServeState, known_paths: set[str]) -> None:
+    def __init__(self, app: ASGIApp, state: ServeState, known_paths: set[str],
+                 open_paths: frozenset[str]) -> None:
         self.app = app
         self.state = state
         self.known_paths = known_paths  # metric labels: unmatched paths count as "other"
+        self.open_paths = open_paths
 
     def _authorized(self, scope: Scope) -> bool:
         """The key as UTF-8 bytes against the raw header bytes, in constant time."""
         key = self.state.api_key
         # Browsers send a CORS preflight without credentials (llama-server skips OPTIONS too);
         # it reaches no handler that reads or generates anything.
-        if key is None or scope["path"] in OPEN_PATHS or scope["method"] == "OPTIONS":
+        if key is None or scope["path"] in self.open_paths or scope["method"] == "OPTIONS":
             return True
         headers = {k.lower(): v for k, v in scope["headers"]}
         offered = headers.get(b"x-api-key")
@@ -141,6 +146,7 @@ def build_app(
     session_dir: str | None = None,
     cors_origins: list[str] | None = None,
     keepalive_s: float = 5.0,
+    chat_page: bool = True,
 ) -> FastAPI:
     """The HTTP app over `engine`; None means "loading" until attach_engine().
 
@@ -149,7 +155,8 @@ def build_app(
     answer (and `request_body` refuses the bodies a page could send unasked).
     An empty `api_key` is refused: it would silently turn authentication off.
     `keepalive_s`: a stream the engine has said nothing on for this long (queued,
-    or reading a long prompt) gets a keep-alive line.
+    or reading a long prompt) gets a keep-alive line. `chat_page`: the browser page at `/`
+    (off with `--no-webui`).
     """
     if api_key is not None and not api_key.strip():
         raise ValueError("an empty API key would turn authentication off; pass None for no key")
@@ -163,6 +170,9 @@ def build_app(
     app.include_router(anthropic_api.router)
     app.include_router(slots.router)  # session files: save/restore a lane under --session-dir
     app.include_router(llama_api.router)  # llama-server's native routes: /completion, /tokenize, /props
+    page_paths: frozenset[str] = PAGE_PATHS if chat_page else frozenset()
+    if chat_page:
+        app.include_router(chat_page_router())
 
     @app.exception_handler(ApiError)
     async def _api_error(request: Request, exc: ApiError) -> Response:
@@ -209,10 +219,11 @@ def build_app(
             "stats": _jsonable(stats) if stats is not None else None,
         })
 
-    known = {"/health", "/metrics", "/v1/state"}
+    known = {"/health", "/metrics", "/v1/state", *page_paths}
     routers = (openai_api.router, anthropic_api.router, slots.router, llama_api.router)
     known |= {r.path for router in routers for r in router.routes}
-    app.add_middleware(AccessMiddleware, state=state, known_paths=known)
+    app.add_middleware(AccessMiddleware, state=state, known_paths=known,
+                       open_paths=OPEN_PATHS | page_paths)
     if cors_origins:  # outermost, so preflights are answered before the key is asked for
         app.add_middleware(CORSMiddleware, allow_origins=list(cors_origins), allow_methods=["GET", "POST"],
                            allow_headers=CORS_HEADERS, max_age=600)

@@ -41,6 +41,8 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--sse-keepalive", type=float, default=5.0, metavar="SECONDS",
                    help="send a keep-alive on a stream the engine has been silent on this long "
                         "(queued, or reading a long prompt); default: 5")
+    g.add_argument("--no-webui", dest="webui", action="store_false",
+                   help="do not serve the chat page at / (llama-server's spelling); the API is unchanged")
     g.add_argument("--log-level", default="info", choices=LOG_LEVELS, help="log verbosity")
     g.add_argument("--log-format", default="text", choices=["text", "json"],
                    help="log lines as text, or one JSON object a line (time, level, logger, message)")
@@ -81,7 +83,7 @@ def run_server(args: argparse.Namespace) -> int:
     alias = getattr(args, "served_model_name", None)
     app = build_app(None, api_key=args.api_key, model_name=alias or _model_label(config.model),
                     session_dir=config.session_dir, cors_origins=getattr(args, "cors_origin", None),
-                    keepalive_s=args.sse_keepalive)
+                    keepalive_s=args.sse_keepalive, chat_page=args.webui)
     holder: dict[str, Any] = {}
     lock = threading.Lock()
 
