@@ -185,7 +185,8 @@ class Engine:
                                         self.loaded.model.state_dtypes())
             self.runner = Runner(self.loaded.model, self.pool, mc.attn_scale, self.device,
                                  graphs=graph_safe(self.loaded.model), states=self.states,
-                                 windowed=any(mc.window(i) is not None for i in pool_layers))
+                                 windowed=any(mc.window(i) is not None for i in pool_layers),
+                                 rows_per_lane=1 + max(config.spec, 0))
             if self.device.type == "cpu":  # a step's time is its threads' work: the governor can judge
                 self.cpu_threads.govern()
         log.info("%s", self.cpu_threads.describe())

@@ -61,7 +61,7 @@ class DecodeGraphs:
 
     def __init__(self, model: torch.nn.Module, pool: KvPool, scale: float, layers: range | None = None,
                  embed: bool = True, head: bool = True,
-                 rope: tuple[torch.Tensor, torch.Tensor] | None = None) -> None:
+                 rope: tuple[torch.Tensor, torch.Tensor] | None = None, rows_per_lane: int = 1) -> None:
         self.model = model
         self.pool = pool
         self.scale = scale
@@ -69,12 +69,23 @@ class DecodeGraphs:
         self.embed = embed
         self.head = head
         self.rope = rope
-        self.sizes = [s for s in SIZES if s < pool.num_lanes] + [pool.num_lanes]
+        most = pool.num_lanes * rows_per_lane  # rows_per_lane > 1: drafts verified as rows (`rows_of`)
+        self.sizes = [s for s in SIZES if s < most] + [most]
         self._entries: dict[int, _Entry] = {}
 
     def supports(self, seqs: list[SeqSpec], sample: list[int]) -> bool:
         """A pure decode step whose every lane is sampled (what the graph computes)."""
         return bool(seqs) and len(seqs) <= self.sizes[-1] and all(s.n == 1 for s in seqs) and all(sample)
+
+    @staticmethod
+    def rows_of(seqs: list[SeqSpec], sample: list[int]) -> list[SeqSpec] | None:
+        """A step of decode lanes and verified drafts as one-token rows, or None if a run is not
+        sampled in full. Row j of a lane's run attends over the cells rows 0..j-1 wrote in the same
+        layer (every write of a layer precedes its attention), so the decode graph computes a
+        drafted run as it computes the same tokens decoded one step at a time."""
+        if any(int(w) != s.n for s, w in zip(seqs, sample)):
+            return None
+        return [SeqSpec(s.lane, s.start + j, 1) for s in seqs for j in range(s.n)]
 
     def size_for(self, lanes: int) -> int:
         return next(s for s in self.sizes if s >= lanes)

@@ -21,9 +21,11 @@ def graphs_factory() -> type | None:
 
 class Runner:
     def __init__(self, model: torch.nn.Module, pool: KvPool, scale: float, device: torch.device,
-                 graphs: bool = True, states: StatePool | None = None, windowed: bool = False) -> None:
+                 graphs: bool = True, states: StatePool | None = None, windowed: bool = False,
+                 rows_per_lane: int = 1) -> None:
         """states: a recurrent model's per-lane state (`kv/state.py`); its steps run eagerly.
-        windowed: a pool layer attends within a sliding window (`select.backend_for`)."""
+        windowed: a pool layer attends within a sliding window (`select.backend_for`).
+        rows_per_lane: 1 + the most drafts a lane verifies in a step (graphs are sized for them)."""
         self.model = model
         self.states = states
         self.pool = pool
@@ -34,7 +36,7 @@ class Runner:
         if graphs and states is None and graphs_possible(self.context):
             from strata.engine.graphs import DecodeGraphs  # imports Triton
 
-            self.graphs = DecodeGraphs(model, pool, scale)
+            self.graphs = DecodeGraphs(model, pool, scale, rows_per_lane=rows_per_lane)
 
     def describe_stages(self) -> list[dict]:
         """One stage: the whole model on one device (a split's runner lists each of its stages)."""
@@ -62,8 +64,10 @@ class Runner:
     @torch.inference_mode()
     def forward(self, seqs: list[SeqSpec], tokens: list[int], sample: list[int]) -> torch.Tensor:
         """Logits (float32) of the rows `sampled_rows(seqs, sample)` names, in order."""
-        if self.graphs is not None and self.graphs.supports(seqs, sample):
-            return self.graphs.forward(seqs, tokens)  # valid until the next step: sample at once
+        if self.graphs is not None:
+            rows = self.graphs.rows_of(seqs, sample)  # drafts verified as decode rows
+            if rows is not None and self.graphs.supports(rows, [1] * len(rows)):
+                return self.graphs.forward(rows, tokens)  # valid until the next step: sample at once
         input_ids = torch.tensor(tokens, dtype=torch.int64, device=self.device)
         positions = step_positions(seqs)
         ctx = self.context(self.pool, seqs, self.scale)

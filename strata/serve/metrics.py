@@ -36,7 +36,7 @@ DICT_LABELS = {"chunks_per_session": "lane", "tokens_per_session": "lane", "refu
                "weight_bytes": "device", "device_free_bytes": "device", "device_total_bytes": "device"}
 # Dicts of distinct figures (not one figure per label): one gauge each, named key_sub.
 # None means the feature is off; `key_enabled` tells that apart from a cache at zero.
-FLATTENED_KEYS = {"conversation_cache", "expert_cache", "checkpoints"}
+FLATTENED_KEYS = {"conversation_cache", "expert_cache", "checkpoints", "speculation"}
 
 # Help text of figures whose generic "engine figure" help would hide what they count.
 HELP = {
@@ -172,6 +172,15 @@ def vllm_gauges(stats: dict[str, Any], model_name: str) -> Iterator[Metric]:
             family = GaugeMetricFamily(name, doc, labels=["model_name"])
             family.add_metric([model_name], number)
             yield family
+    spec = stats.get("speculation")
+    if isinstance(spec, dict):  # vLLM's speculative-decoding counters (its names end in _total)
+        for name, doc, key in (
+                ("vllm:spec_decode_num_drafts", "Lane-steps that carried drafted tokens.", "verifications"),
+                ("vllm:spec_decode_num_draft_tokens", "Drafted tokens verified.", "drafted_tokens"),
+                ("vllm:spec_decode_num_accepted_tokens", "Drafted tokens accepted.", "accepted_tokens")):
+            counter = CounterMetricFamily(name, doc, labels=["model_name"])
+            counter.add_metric([model_name], float(spec.get(key, 0)))
+            yield counter
 
 
 class _Paired:

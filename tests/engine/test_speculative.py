@@ -154,3 +154,28 @@ def test_bad_spec_values_are_refused(tiny_loaded) -> None:
         Engine(EngineConfig(max_context=128, spec=-1), loaded=tiny_loaded)
     with pytest.raises(BadRequest, match="--spec-min-p"):
         Engine(EngineConfig(max_context=128, spec=2, spec_min_p=1.5), loaded=tiny_loaded)
+
+
+def test_metrics_show_drafts_and_acceptance(tiny_loaded) -> None:
+    import re
+
+    from strata.serve.metrics import ServeMetrics
+
+    params = SamplingParams(max_tokens=30, ignore_eos=True)
+    with Engine(EngineConfig(max_context=512, spec=4), loaded=tiny_loaded) as eng:
+        eng.complete(_prompt(0), params)
+        eng.complete(_prompt(0), params)  # drafts from the first: all accepted
+        spec = eng.stats()["speculation"]
+        text = ServeMetrics(eng.stats, lambda: "tiny").render().decode()
+    assert spec["accepted_tokens"] == spec["drafted_tokens"] > 0
+    assert spec["mean_accepted_length"] == spec["accepted_tokens"] / spec["verifications"]
+
+    def value(pattern: str) -> float:
+        m = re.search(pattern + r" (\S+)$", text, re.M)
+        assert m is not None, pattern
+        return float(m.group(1))
+
+    assert value(r"^strata_engine_speculation_accepted_tokens") == spec["accepted_tokens"]
+    assert value(r'^vllm:spec_decode_num_accepted_tokens_total\{model_name="tiny"\}') == spec["accepted_tokens"]
+    assert value(r'^vllm:spec_decode_num_drafts_total\{model_name="tiny"\}') == spec["verifications"]
+    assert value(r"^strata_engine_speculation_enabled") == 1.0
