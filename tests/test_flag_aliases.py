@@ -99,12 +99,21 @@ def test_part_of_the_layers_on_the_gpu_is_refused_in_one_line() -> None:
     (["--gpus", "cpu,gpu1"], ["--gpus", "gpu1"]),
     (["--chat-template", "chatml"], ["--chat-template", "chatml", "no template by name"]),
     (["--log-level", "loud"], ["--log-level", "'debug'"]),
+    (["--spec", "lots"], ["--spec", "auto, off or a count"]),
+    (["--spec-min-p", "1.5"], ["--spec-min-p", "from 0 to 1"]),
+    (["--suffix-draft", "2"], ["--suffix-draft", "0, 1"]),
 ])
 def test_bad_value_fails_while_parsing_in_one_line(capsys, argv: list[str], words: list[str]) -> None:
     line = usage_error(capsys, "serve", *argv)
     assert line.startswith("strata serve: error:"), line
     for word in words:
         assert word in line, line
+
+
+@pytest.mark.parametrize("argv, spec", [([], 0), (["--spec", "auto"], 4), (["--spec", "off"], 0),
+                                        (["--spec", "6"], 6)])
+def test_spec_values(argv: list[str], spec: int) -> None:
+    assert config_of(*argv).spec == spec
 
 
 def test_bad_value_is_refused_by_main_before_any_load(capsys) -> None:
