@@ -38,7 +38,7 @@ from strata.engine.runner import Runner, graphs_factory
 from strata.engine.sampling import has_penalties, make_generator, sample
 from strata.engine.scheduler import Lane, Scheduler, Step
 from strata.engine.sessions import SessionFiles, SessionResult
-from strata.engine.speculative import SpecConfig, Speculator
+from strata.engine.speculative import STEP_ROWS, SpecConfig, Speculator
 from strata.engine.stats import describe_memory, memory_figures, pool_and_lane_figures
 from strata.engine.stop import StopMatcher
 from strata.engine.threads import CpuThreads, find_cores
@@ -232,15 +232,16 @@ class Engine:
         config = self.config
         if config.spec < 0 or not 0.0 <= config.spec_min_p <= 1.0:
             raise BadRequest("--spec must be at least 0 and --spec-min-p in [0, 1]", "spec")
-        spec = SpecConfig(config.spec, config.spec_min_p, bool(config.suffix_draft))
+        spec = SpecConfig(config.spec, config.spec_min_p, bool(config.suffix_draft),
+                          step_rows=STEP_ROWS.get(self.device.type, STEP_ROWS["cuda"]))
         if not spec.on:
             return None
         if self.states is not None:
             raise BadRequest(f"--spec: {self.model_name} has recurrent or sliding-window layers, whose "
                              "state cannot be rolled back past rejected drafts yet; run it without --spec",
                              "spec")
-        log.info("speculative decoding: up to %d drafts a step (suffix proposer, min confidence %.2f)",
-                 spec.n, spec.min_p)
+        log.info("speculative decoding: up to %d drafts a lane, %d decode rows a step (suffix proposer, "
+                 "min confidence %.2f)", spec.n, spec.step_rows, spec.min_p)
         return Speculator(spec)
 
     def _cache_experts(self, slots: str) -> None:
@@ -469,15 +470,17 @@ class Engine:
                 inflight = None
 
     def _draft(self) -> None:
-        """Drafts for the decoding lanes' next step, within what their limits leave: the bonus
-        token after the drafts must still fit max_tokens, and every position the context."""
-        for lane in self.scheduler.lanes:
-            req = lane.request
-            if req is None or req.prefilling or lane.pending is None:
-                continue
-            room = min(req.params.max_tokens - len(req.output) - 1,
-                       self.config.max_context - 2 - len(lane.tokens))
-            lane.drafts = self.speculator.draft(req, room)  # type: ignore[union-attr]
+        """Drafts for the decoding lanes' next step, within what their limits leave (the bonus
+        token after the drafts must still fit max_tokens, and every position the context) and
+        within the step's row budget, lanes whose drafts held lately first."""
+        assert self.speculator is not None
+        lanes = [lane for lane in self.scheduler.lanes
+                 if lane.request is not None and not lane.request.prefilling and lane.pending is not None]
+        rooms = [min(lane.request.params.max_tokens - len(lane.request.output) - 1,  # type: ignore[union-attr]
+                     self.config.max_context - 2 - len(lane.tokens)) for lane in lanes]
+        drafts = self.speculator.plan([(lane.request, room) for lane, room in zip(lanes, rooms)])  # type: ignore[misc]
+        for lane, d in zip(lanes, drafts):
+            lane.drafts = d
 
     def _launch(self, step: Step, forward: Callable[[], torch.Tensor]) -> Launched | None:
         """Run a step's forward; a greedy decode step also gets its tokens, left on the device."""

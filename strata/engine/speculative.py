@@ -38,6 +38,11 @@ PAUSE_AFTER = 2  # verifications in a row accepting nothing before a lane pauses
 PAUSE_STEPS = 4  # decode steps of the first pause; each further pause in a row doubles it
 MAX_PAUSE = 64
 SHARED_TOKENS = 1 << 16  # tokens of finished conversations kept for drafting in others
+# Rows a decode step may have before drafts stop being nearly free: past them a drafted row costs
+# about what a lane's decoded token does, so drafts there pay only if almost all hold. The CPU's
+# products turn compute-bound at a few rows (docs/SPECULATIVE.md); a GPU's stay bound by reading
+# the weights far longer.
+STEP_ROWS = {"cpu": 8, "cuda": 64}
 
 
 @dataclass(frozen=True)
@@ -48,6 +53,7 @@ class SpecConfig:
     min_p: float = 0.0  # a draft stops before its first token whose confidence is below this
     suffix: bool = True  # drafts from the conversation and the finished ones (suffix.py)
     shared_tokens: int = SHARED_TOKENS
+    step_rows: int = STEP_ROWS["cpu"]  # a step's decode rows (lanes plus drafts) at most
 
     @property
     def on(self) -> bool:
@@ -136,8 +142,24 @@ class Speculator:
         self.stats = ProposerStats()
         self._lanes: dict[int, LaneDrafting] = {}  # request id -> its drafting
 
+    def plan(self, wanted: list[tuple[Request, int]]) -> list[list[int]]:
+        """Drafts for a step's decoding requests, each within its room (what its limits leave) and
+        all within the step's rows (`step_rows`, the lanes counted); when they are short, requests
+        whose drafts held lately (the longest current draft length) draft first."""
+        budget = max(0, self.config.step_rows - len(wanted))
+        out: list[list[int]] = [[] for _ in wanted]
+        for i in sorted(range(len(wanted)), key=lambda i: -self._priority(wanted[i][0])):
+            req, room = wanted[i]
+            out[i] = self.draft(req, min(room, budget))
+            budget -= len(out[i])
+        return out
+
+    def _priority(self, req: Request) -> int:
+        state = self._lanes.get(req.id)
+        return self.config.n if state is None else (0 if state.pause else state.k)
+
     def draft(self, req: Request, room: int) -> list[int]:
-        """Drafts for `req`'s next step, at most `room` tokens (what its limits leave)."""
+        """Drafts for `req`'s next step, at most `room` tokens."""
         if req.params.grammar is not None or room <= 0:  # a grammar's masks would need its matcher
             return []  # advanced through the drafts: constrained requests do not draft
         state = self._lanes.setdefault(req.id, LaneDrafting(self.config.n))

@@ -179,3 +179,24 @@ def test_metrics_show_drafts_and_acceptance(tiny_loaded) -> None:
     assert value(r'^vllm:spec_decode_num_accepted_tokens_total\{model_name="tiny"\}') == spec["accepted_tokens"]
     assert value(r'^vllm:spec_decode_num_drafts_total\{model_name="tiny"\}') == spec["verifications"]
     assert value(r"^strata_engine_speculation_enabled") == 1.0
+
+
+def test_drafts_stay_within_the_step_budget() -> None:
+    """A step's decode rows (lanes plus drafts) stay within `step_rows`; lanes whose drafts held
+    lately draft first."""
+    from strata.engine.request import Request, RequestHandle
+    from strata.engine.speculative import SpecConfig, Speculator
+
+    spec = Speculator(SpecConfig(n=4, step_rows=8))
+    text = list(range(100, 160))
+    spec.proposer.corpus.add(text)  # every request below finds 4 tokens to draft
+    reqs = [Request(text[:20], SamplingParams(), RequestHandle(f"r{i}")) for i in range(4)]
+    first = spec.plan([(r, 10) for r in reqs])
+    assert sum(map(len, first)) == 8 - 4 and first[0] == text[20:24]  # the budget, to the first
+    for req, accepted in zip(reqs, (0, 1, 4, 2)):
+        spec.draft(req, 4)
+        spec.verified(req, 4, accepted)  # the one whose draft held whole drafts first next time
+    second = spec.plan([(r, 10) for r in reqs])
+    assert [len(d) for d in second] == [0, 0, 4, 0]
+    assert spec.plan([(r, 10) for r in reqs] * 2) == [[]] * 8  # 8 lanes fill the step
+    assert sum(map(len, spec.plan([(reqs[1], 2)]))) == 2  # within the request's room

@@ -3,6 +3,8 @@ answers with drafts against without."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 
 pytest.importorskip("triton")
@@ -45,10 +47,21 @@ def test_a_drafted_run_as_graph_rows_is_the_run_read_at_once(model) -> None:  # 
 
 
 @pytest.fixture(scope="module")
-def tiny_cuda(tiny_model_dir):
-    from strata.models import load_model
+def tiny_cuda(tmp_path_factory: pytest.TempPathFactory, gpu_tokenizer: str):
+    """The tests' tiny random llama in float32 on CUDA, with the default model's tokenizer."""
+    from gguf import GGUFReader
 
-    return load_model(str(tiny_model_dir), device="cuda", dtype="float32", progress=False)
+    from strata.gguf.reader import field_value
+    from strata.models import load_model
+    from strata.tokenizer import Tokenizer
+    from tests.tiny_llama import write_tiny_llama
+
+    reader = GGUFReader(gpu_tokenizer)  # a tokenizer-only file: its fields as they are
+    tok = Tokenizer.from_gguf_metadata({k: field_value(reader, k) for k in reader.fields}, gpu_tokenizer)
+    out = write_tiny_llama(tmp_path_factory.mktemp("tiny-spec"), tok.vocab_size, tok.bos_token_id,
+                           tok.eos_token_id)
+    loaded = load_model(str(out), device="cuda", dtype="float32", weights="dense", progress=False)
+    return dataclasses.replace(loaded, tokenizer=tok)
 
 
 def test_the_engine_verifies_drafts_on_the_gpu(tiny_cuda) -> None:
