@@ -63,6 +63,7 @@ class EngineConfig:
     spec: int = 0  # drafted tokens a decoding lane may carry into a step (speculative.py); 0 = off
     spec_min_p: float = 0.0  # a draft stops before a token whose confidence is below this
     suffix_draft: bool = True  # the suffix proposer: drafts from the conversation and finished ones
+    spec_model: str | None = None  # a small model with the same tokenizer drafting greedily
 
 
 DEFAULT_KV_CHUNK = 4096
@@ -266,6 +267,9 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
     sp.add_argument("--suffix-draft", type=int, choices=[0, 1], default=int(d.suffix_draft), metavar="0|1",
                     help="draft from where the conversation's last tokens occurred before, in it or in "
                          "finished conversations (default 1)")
+    sp.add_argument("--spec-model", "--model-draft", "-md", dest="spec_model", default=d.spec_model,
+                    metavar="FILE", help="a small model with the same tokenizer (.gguf or folder) that "
+                                         "drafts greedily where the suffix proposer has nothing")
     e = parser.add_argument_group("mixture of experts (docs/MOE.md)")
     e.add_argument("--experts-on", default=d.experts_on, choices=["device", "host"],
                    help="where a MoE model's routed experts live: device (all resident) or host "

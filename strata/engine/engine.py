@@ -29,6 +29,7 @@ from strata.engine.config import (
 )
 from strata.engine.controls import banned_ids, biased, controls_error
 from strata.engine.conversation_cache import ConversationCache
+from strata.engine.draft_model import DraftModelProposer, check_same_vocabulary
 from strata.engine.grammar import Grammars
 from strata.engine.masks import GrammarMasks
 from strata.engine.parking import Parking
@@ -38,9 +39,10 @@ from strata.engine.runner import Runner, graphs_factory
 from strata.engine.sampling import has_penalties, make_generator, sample
 from strata.engine.scheduler import Lane, Scheduler, Step
 from strata.engine.sessions import SessionFiles, SessionResult
-from strata.engine.speculative import STEP_ROWS, SpecConfig, Speculator
+from strata.engine.speculative import STEP_ROWS, Proposer, SpecConfig, Speculator, SuffixProposer
 from strata.engine.stats import describe_memory, memory_figures, pool_and_lane_figures
 from strata.engine.stop import StopMatcher
+from strata.engine.suffix import SharedCorpus
 from strata.engine.threads import CpuThreads, find_cores
 from strata.engine.types import FinishReason, PromptProgress, SamplingParams, StreamEvent
 from strata.errors import (
@@ -87,14 +89,16 @@ def first_logit_rows(sample: list[int]) -> list[int]:
 
 
 class Engine:
-    def __init__(self, config: EngineConfig, loaded: Any = None) -> None:
+    def __init__(self, config: EngineConfig, loaded: Any = None, spec_model: Any = None) -> None:
         """Start the loop thread; it loads the model (unless given one) and builds the pool.
+        `spec_model`: the loaded --spec-model (else it is loaded from config.spec_model).
 
         All torch work happens on that one thread: on the CPU, a second thread
         running torch ops keeps its own OpenMP team, and two teams on two cores
         made decoding three times slower (measured).
         """
         self.config = config
+        self.spec_model = spec_model
         if config.parallel < 1:
             raise BadRequest(f"--parallel must be at least 1, got {config.parallel}", "parallel")
         if config.ctx_checkpoints < 0 or config.prompt_cache_min_step < 0:
@@ -228,21 +232,32 @@ class Engine:
         self.masks = GrammarMasks(self.grammars.vocab_size, pin=self.device.type == "cuda")
 
     def _speculator(self) -> Speculator | None:
-        """--spec N: drafts for decoding lanes (speculative.py); None when off."""
+        """--spec N: drafts for decoding lanes (speculative.py) from the suffix proposer and the
+        --spec-model, in that order; None when off."""
         config = self.config
         if config.spec < 0 or not 0.0 <= config.spec_min_p <= 1.0:
             raise BadRequest("--spec must be at least 0 and --spec-min-p in [0, 1]", "spec")
-        spec = SpecConfig(config.spec, config.spec_min_p, bool(config.suffix_draft),
+        spec = SpecConfig(config.spec, config.spec_min_p,
                           step_rows=STEP_ROWS.get(self.device.type, STEP_ROWS["cuda"]))
-        if not spec.on:
+        drafter = config.spec_model or self.spec_model is not None
+        if spec.n == 0 or not (config.suffix_draft or drafter):
             return None
         if self.states is not None:
             raise BadRequest(f"--spec: {self.model_name} has recurrent or sliding-window layers, whose "
                              "state cannot be rolled back past rejected drafts yet; run it without --spec",
                              "spec")
-        log.info("speculative decoding: up to %d drafts a lane, %d decode rows a step (suffix proposer, "
-                 "min confidence %.2f)", spec.n, spec.step_rows, spec.min_p)
-        return Speculator(spec)
+        proposers: list[Proposer] = []
+        if config.suffix_draft:
+            proposers.append(SuffixProposer(SharedCorpus(spec.shared_tokens), spec.min_p))
+        if drafter:
+            draft = self.spec_model or load_model(config.spec_model, str(self.device), config.dtype,
+                                                  weights=config.weights)
+            check_same_vocabulary(draft.tokenizer, self.tokenizer, draft.path)
+            proposers.append(DraftModelProposer(draft, config.parallel, config.max_context, spec.min_p))
+        log.info("speculative decoding: up to %d drafts a lane, %d decode rows a step, from %s "
+                 "(min confidence %.2f)", spec.n, spec.step_rows, ", ".join(p.name for p in proposers),
+                 spec.min_p)
+        return Speculator(spec, proposers)
 
     def _cache_experts(self, slots: str) -> None:
         """--expert-cache: the experts loaded to the host get N device slots per layer (auto:

@@ -51,13 +51,8 @@ class SpecConfig:
 
     n: int = 0
     min_p: float = 0.0  # a draft stops before its first token whose confidence is below this
-    suffix: bool = True  # drafts from the conversation and the finished ones (suffix.py)
     shared_tokens: int = SHARED_TOKENS
     step_rows: int = STEP_ROWS["cpu"]  # a step's decode rows (lanes plus drafts) at most
-
-    @property
-    def on(self) -> bool:
-        return self.n > 0 and self.suffix
 
 
 class Proposer(Protocol):
@@ -89,6 +84,7 @@ class LaneDrafting:
 
     k: int
     index: TokenIndex | None = None  # the request's prompt and output, built at its first draft
+    source: str = ""  # the proposer of its last draft
     failures: int = 0  # verifications in a row that accepted nothing
     pause: int = 0  # decode steps left without drafting
     pauses: int = 0  # pauses in a row (the next one lasts longer)
@@ -134,12 +130,13 @@ class SuffixProposer:
 
 
 class Speculator:
-    """The engine's drafting: which lanes draft, how many tokens, and the figures of it."""
+    """The engine's drafting: which lanes draft, how many tokens, from which proposer (the first
+    in order with a draft), and the figures of it per proposer."""
 
-    def __init__(self, config: SpecConfig) -> None:
+    def __init__(self, config: SpecConfig, proposers: list[Proposer]) -> None:
         self.config = config
-        self.proposer: Proposer = SuffixProposer(SharedCorpus(config.shared_tokens), config.min_p)
-        self.stats = ProposerStats()
+        self.proposers = proposers
+        self.stats = {p.name: ProposerStats() for p in proposers}
         self._lanes: dict[int, LaneDrafting] = {}  # request id -> its drafting
 
     def plan(self, wanted: list[tuple[Request, int]]) -> list[list[int]]:
@@ -166,21 +163,37 @@ class Speculator:
         if state.pause > 0:
             state.pause -= 1
             return []
-        return self.proposer.propose(req, state, min(state.k, room))
+        for proposer in self.proposers:
+            drafts = proposer.propose(req, state, min(state.k, room))
+            if drafts:
+                state.source = proposer.name
+                return drafts
+        return []
 
     def verified(self, req: Request, drafted: int, accepted: int) -> None:
-        self.stats.proposed += drafted
-        self.stats.accepted += accepted
-        self.stats.verifications += 1
         state = self._lanes.get(req.id)
-        if state is not None:
-            state.verified(drafted, accepted, self.config.n)
+        if state is None:
+            return
+        stats = self.stats[state.source]
+        stats.proposed += drafted
+        stats.accepted += accepted
+        stats.verifications += 1
+        state.verified(drafted, accepted, self.config.n)
 
     def finished(self, req: Request) -> None:
         """The request ended: its conversation becomes a source for others; its state goes."""
-        state = self._lanes.pop(req.id, None)
-        self.proposer.finished(req, state or LaneDrafting(self.config.n))
+        state = self._lanes.pop(req.id, None) or LaneDrafting(self.config.n)
+        for proposer in self.proposers:
+            proposer.finished(req, state)
 
     def figures(self) -> dict[str, Any]:
-        return {"proposer": self.proposer.name, "max_drafts": self.config.n, "min_p": self.config.min_p,
-                **self.stats.as_dict()}
+        """All proposers' counts together, then each proposer's as `NAME_FIGURE`."""
+        total = ProposerStats(sum(s.proposed for s in self.stats.values()),
+                              sum(s.accepted for s in self.stats.values()),
+                              sum(s.verifications for s in self.stats.values()))
+        out: dict[str, Any] = {"proposers": ",".join(self.stats), "max_drafts": self.config.n,
+                               "min_p": self.config.min_p, "step_rows": self.config.step_rows,
+                               **total.as_dict()}
+        for name, stats in self.stats.items():
+            out.update({f"{name}_{key}": value for key, value in stats.as_dict().items()})
+        return out

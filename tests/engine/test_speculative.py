@@ -185,11 +185,13 @@ def test_drafts_stay_within_the_step_budget() -> None:
     """A step's decode rows (lanes plus drafts) stay within `step_rows`; lanes whose drafts held
     lately draft first."""
     from strata.engine.request import Request, RequestHandle
-    from strata.engine.speculative import SpecConfig, Speculator
+    from strata.engine.speculative import SpecConfig, Speculator, SuffixProposer
+    from strata.engine.suffix import SharedCorpus
 
-    spec = Speculator(SpecConfig(n=4, step_rows=8))
+    corpus = SharedCorpus(1000)
     text = list(range(100, 160))
-    spec.proposer.corpus.add(text)  # every request below finds 4 tokens to draft
+    corpus.add(text)  # every request below finds 4 tokens to draft
+    spec = Speculator(SpecConfig(n=4, step_rows=8), [SuffixProposer(corpus, 0.0)])
     reqs = [Request(text[:20], SamplingParams(), RequestHandle(f"r{i}")) for i in range(4)]
     first = spec.plan([(r, 10) for r in reqs])
     assert sum(map(len, first)) == 8 - 4 and first[0] == text[20:24]  # the budget, to the first
@@ -200,3 +202,65 @@ def test_drafts_stay_within_the_step_budget() -> None:
     assert [len(d) for d in second] == [0, 0, 4, 0]
     assert spec.plan([(r, 10) for r in reqs] * 2) == [[]] * 8  # 8 lanes fill the step
     assert sum(map(len, spec.plan([(reqs[1], 2)]))) == 2  # within the request's room
+
+
+@pytest.fixture(scope="module")
+def other_draft(tiny_model_dir, tmp_path_factory):
+    """A second random llama with the same tokenizer: its drafts mostly miss."""
+    import shutil
+
+    from strata.models import load_model
+    from tests.tiny_llama import write_tiny_llama
+
+    out = tmp_path_factory.mktemp("draft")
+    for f in tiny_model_dir.iterdir():
+        if "token" in f.name or f.name == "special_tokens_map.json":
+            shutil.copy(f, out / f.name)
+    loaded = load_model(str(tiny_model_dir), device="cpu", dtype="bfloat16", progress=False)
+    tok = loaded.tokenizer
+    write_tiny_llama(out, tok.vocab_size, tok.bos_token_id, tok.eos_token_id, hidden=32, intermediate=64)
+    return load_model(str(out), device="cpu", dtype="bfloat16", progress=False)
+
+
+@pytest.mark.parametrize("drafter", ["same", "other"])
+def test_a_draft_model_never_changes_the_answer(tiny_loaded, other_draft, drafter: str) -> None:
+    """The model itself as its draft (drafts hold) and another random model (they mostly miss):
+    greedy and seeded answers equal those without drafts; the figures are the draft model's."""
+    draft = tiny_loaded if drafter == "same" else other_draft
+    requests = [(_prompt(i), SamplingParams(max_tokens=24, ignore_eos=True)) for i in range(3)]
+    requests += [(_prompt(0), SamplingParams(max_tokens=24, temperature=0.9, seed=s, ignore_eos=True))
+                 for s in range(3)]
+    plain, _ = _run(tiny_loaded, 0, [requests])
+    cfg = EngineConfig(max_context=512, parallel=3, spec=4, suffix_draft=False)
+    with Engine(cfg, loaded=tiny_loaded, spec_model=draft) as eng:
+        got = [h.result().token_ids for h in [eng.generate(p, params) for p, params in requests]]
+        spec = eng.stats()["speculation"]
+    assert got == plain[0]
+    assert spec["proposers"] == "draft_model" and spec["draft_model_drafted_tokens"] > 0
+    if drafter == "same":
+        assert spec["draft_model_acceptance_rate"] > 0.5
+    else:
+        assert spec["draft_model_acceptance_rate"] < 0.5
+
+
+class _Spelling:
+    """A tokenizer as the check sees it: a size and each token's bytes."""
+
+    def __init__(self, words: list[bytes]) -> None:
+        self.vocab_size = len(words)
+        self.words = words
+
+    def token_bytes(self, i: int) -> bytes:
+        return self.words[i]
+
+
+def test_a_draft_model_with_another_vocabulary_is_refused() -> None:
+    from strata.engine.draft_model import check_same_vocabulary
+    from strata.errors import ModelLoadError
+
+    words = [b"a", b"b", b"c"]
+    check_same_vocabulary(_Spelling(words), _Spelling(list(words)), "draft.gguf")
+    with pytest.raises(ModelLoadError, match="2 tokens, the model 3"):
+        check_same_vocabulary(_Spelling(words[:2]), _Spelling(words), "draft.gguf")
+    with pytest.raises(ModelLoadError, match="spells token 1 as b'x'"):
+        check_same_vocabulary(_Spelling([b"a", b"x", b"c"]), _Spelling(words), "draft.gguf")
