@@ -126,7 +126,8 @@ def test_a_row_has_the_same_bits_in_any_batch_and_thread_count(kernel, qtype) ->
         full = kernel.block_matmul(x, raw, int(qtype))
         for i in (0, 5, 63):
             assert torch.equal(kernel.block_matmul(x[i:i + 1].contiguous(), raw, int(qtype)), full[i:i + 1])
-        for rows in (slice(0, 3), slice(10, 27), slice(1, 2)):
+        for rows in (slice(0, 3), slice(10, 27), slice(1, 2), slice(4, 6), slice(7, 12), slice(20, 28),
+                     slice(30, 39)):  # the few-rows path (2..8 rows) and the tiles past it
             assert torch.equal(kernel.block_matmul(x[rows].contiguous(), raw, int(qtype)), full[rows])
         other = x.clone()
         other[1:] = torch.randn(63, k).bfloat16() * 100  # whatever the company holds

@@ -19,9 +19,11 @@
 // of the output has the same bits whatever M, the other rows of x or the
 // thread count: threads split the output rows N only, never K. One lane
 // (M = 1) unpacks each block's codes to int8 (in L1) and converts them as
-// it multiplies, four weight rows at a time; several lanes decode a tile of
-// weight rows to float32 once (in L2) and run every x row over it with the
-// same operations, so the converted codes are the same exact integers.
+// it multiplies, four weight rows at a time; two to eight lanes (a drafted
+// run, a few lanes) unpack and convert each block once and run every x row
+// over it; more lanes decode a tile of weight rows to float32 once (in L2)
+// and run every x row over it with the same operations, so the converted
+// codes are the same exact integers.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 
@@ -333,6 +335,50 @@ void fly(const uint8_t* w, int64_t row_bytes, const float* x, const float* xs, i
   for (int r = 0; r < NR; ++r) y[r] = vsum(acc[r]);
 }
 
+// A few lanes (2..FEW_ROWS x rows) against one weight row: each block's codes are unpacked and
+// converted once and every x row runs over them with fly()'s operations, so the bits are fly's.
+template <class T, int MR>
+void fly_few(const uint8_t* w, const float* x, int64_t K, const float* xs, int64_t xsw, int64_t nb,
+             float* y, int64_t N) {
+  constexpr int NG = T::QK / T::G, GV = T::G / 8;
+  alignas(32) int8_t cbuf[T::QK];
+  float s[NG], m[NG];
+  V acc[MR];
+  for (int i = 0; i < MR; ++i) acc[i] = vzero();
+  for (int64_t b = 0; b < nb; ++b) {
+    const int8_t* q = T::block(w + b * T::BYTES, cbuf, s, m);
+    for (int g = 0; g < NG; ++g) {
+      V c[GV];
+      for (int j = 0; j < GV; ++j) c[j] = vcodes(q + g * T::G + 8 * j);
+      const int64_t o = b * T::QK + g * T::G;
+      for (int i = 0; i < MR; ++i) {
+        const float* xi = x + i * K + o;
+        V p = vmul(c[0], vload(xi));
+        for (int j = 1; j < GV; ++j) p = vfma(c[j], vload(xi + 8 * j), p);
+        acc[i] = vfma(vset(s[g]), p, acc[i]);
+        if constexpr (T::MIN) acc[i] = vfma(vset(m[g]), vload(xs + i * xsw + 8 * (b * NG + g)), acc[i]);
+      }
+    }
+  }
+  for (int i = 0; i < MR; ++i) y[i * N] = vsum(acc[i]);
+}
+
+constexpr int FEW_ROWS = 8;  // x rows up to which fly_few beats decoding tiles (drafted runs, few lanes)
+
+template <class T>
+void few_rows(int mr, const uint8_t* w, const float* x, int64_t K, const float* xs, int64_t xsw, int64_t nb,
+              float* y, int64_t N) {
+  switch (mr) {
+    case 8: return fly_few<T, 8>(w, x, K, xs, xsw, nb, y, N);
+    case 7: return fly_few<T, 7>(w, x, K, xs, xsw, nb, y, N);
+    case 6: return fly_few<T, 6>(w, x, K, xs, xsw, nb, y, N);
+    case 5: return fly_few<T, 5>(w, x, K, xs, xsw, nb, y, N);
+    case 4: return fly_few<T, 4>(w, x, K, xs, xsw, nb, y, N);
+    case 3: return fly_few<T, 3>(w, x, K, xs, xsw, nb, y, N);
+    default: return fly_few<T, 2>(w, x, K, xs, xsw, nb, y, N);
+  }
+}
+
 // A tile of weight rows decoded to float32: codes [rows][K], scales and mins [rows][K / G].
 struct Tile {
   std::vector<float> q, s, m;
@@ -440,6 +486,14 @@ void run(const uint8_t* w, int64_t N, int64_t K, const float* x, const float* xs
         const int nr = static_cast<int>(std::min<int64_t>(FLY_ROWS, N - n));
         fly_rows<T>(nr, w + n * rb, rb, x, xs, nb, y + n);
       }
+    });
+    return;
+  }
+  if (M <= FEW_ROWS) {
+    const int64_t grain = N * rb < (1 << 18) ? N + 1 : 8;
+    at::parallel_for(0, N, grain, [&](int64_t b, int64_t e) {
+      for (int64_t n = b; n < e; ++n)
+        few_rows<T>(static_cast<int>(M), w + n * rb, x, K, xs, xsw, nb, y + n, N);
     });
     return;
   }
