@@ -14,7 +14,7 @@ import json
 import math
 import sys
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -26,6 +26,11 @@ from strata.models.architecture import Architecture
 from strata.models.base import ModelConfig
 from strata.models.block_install import blocks_fit, ffn_types, install_blocks
 from strata.models.config import config_from_gguf, config_from_hf, gguf_architecture
+from strata.models.generation_defaults import (
+    ModelSampling,
+    from_gguf_metadata,
+    read_generation_config,
+)
 from strata.models.layers import DecoderModel
 from strata.models.naming import Part, gguf_parts, hf_parts
 from strata.models.quantize import quantize_weights, resolve_weight_mode
@@ -79,6 +84,7 @@ class LoadedModel:
     dtype: torch.dtype
     weights: str = "dense"  # dense | gguf | int8 | int4
     file_bytes: int = 0  # the stored tensors' bytes (the whole file's, every stage's layers)
+    sampling: ModelSampling = field(default_factory=ModelSampling)  # what the files recommend
 
 
 def resolve_device(device: str | torch.device, path: str) -> torch.device:
@@ -170,7 +176,12 @@ def load_model(
         dtype=dt,
         weights=mode,
         file_bytes=source.tensor_bytes(),
+        sampling=read_generation_config(p) if p.is_dir() else _gguf_sampling(source),
     )
+
+
+def _gguf_sampling(source: WeightSource) -> ModelSampling:
+    return from_gguf_metadata(source.file.metadata) if isinstance(source, GGUFSource) else ModelSampling()
 
 
 FOUR_BIT = {"Q4_0", "Q4_1", "Q4_K"}

@@ -7,6 +7,7 @@ package only (no transformers), in about a second.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
@@ -18,8 +19,10 @@ from tests.gguf_writer import add_fields, finish
 HIDDEN, LAYERS, HEADS, KV_HEADS = 64, 2, 4, 2
 
 
-def write_tiny_gguf(default_gguf: Path, path: Path, seed: int = 0, hidden: int = HIDDEN) -> Path:
-    """`hidden` other than the default gives another model (another identity, other K/V shapes)."""
+def write_tiny_gguf(default_gguf: Path, path: Path, seed: int = 0, hidden: int = HIDDEN,
+                    extra: Callable[[GGUFWriter], None] | None = None) -> Path:
+    """`hidden` other than the default gives another model (another identity, other K/V shapes);
+    `extra` adds metadata of its own (e.g. `w.add_sampling_temp(0.6)`)."""
     source = GGUFFile(str(default_gguf)).metadata
     vocab = int(source["llama.vocab_size"])
     head_dim = hidden // HEADS
@@ -42,6 +45,8 @@ def write_tiny_gguf(default_gguf: Path, path: Path, seed: int = 0, hidden: int =
     w.add_layer_norm_rms_eps(1e-5)
     w.add_vocab_size(vocab)
     add_fields(w, {k: v for k, v in source.items() if k.startswith("tokenizer.")})
+    if extra is not None:
+        extra(w)
     w.add_tensor("token_embd.weight", weight(vocab, hidden).astype(np.float16))
     w.add_tensor("output_norm.weight", np.ones(hidden, dtype=np.float32))
     for i in range(LAYERS):
