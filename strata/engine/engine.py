@@ -437,8 +437,8 @@ class Engine:
             return BadRequest(f"prompt token ids must be in [0, {vocab})", "prompt")
         if len(prompt) >= self.config.max_context:
             return ContextTooLong(len(prompt), self.config.max_context)
-        if params.max_tokens < 1:
-            return BadRequest("max_tokens must be at least 1", "max_tokens")
+        if params.max_tokens < 0:
+            return BadRequest("max_tokens must be at least 0", "max_tokens")
         return controls_error(params, vocab)
 
     # ---- the loop ---------------------------------------------------------------
@@ -571,8 +571,7 @@ class Engine:
 
     def _admit(self) -> None:
         sched = self.scheduler
-        while sched.waiting and sched.free_lanes():
-            req = sched.waiting.popleft()
+        while (req := sched.next_admissible()) is not None:  # a request pinned to a busy lane waits
             try:
                 if req.params.grammar is not None:  # an invalid grammar fails here, before a lane changes
                     req.matcher = self.grammars.matcher(req.params.grammar)
@@ -687,6 +686,9 @@ class Engine:
         req = lane.request
         assert req is not None
         p = req.params
+        if p.max_tokens == 0:  # the prompt is read and stays in the lane; its sampled token is dropped
+            self._publish_and_finish(lane, "", [], FinishReason.LENGTH, [])
+            return
         logprobs = [lp.with_text(self.tokenizer.token_text)] if lp is not None else []
         if tok in self.stop_ids and not p.ignore_eos or tok in p.stop_token_ids:
             req.output.append(tok)

@@ -32,6 +32,7 @@ class RequestHandle:
         self.id = request_id
         self._cancel = threading.Event()
         self._wake = None  # the engine's wake-up callback, set on submission
+        self.lane: int | None = None  # the lane serving the request, set by the scheduler on admission
         try:
             self._loop: asyncio.AbstractEventLoop | None = asyncio.get_running_loop()
         except RuntimeError:

@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from strata.engine.request import Request
-from strata.errors import KvPoolFull, PartMissing
+from strata.errors import BadRequest, KvPoolFull, PartMissing
 from strata.kv.policy import IdleLane, choose_evictions
 from strata.kv.step import SeqSpec
 from strata.kv.tables import TablePool
@@ -86,13 +86,33 @@ class Scheduler:
     def free_lanes(self) -> list[Lane]:
         return [lane for lane in self.lanes if lane.request is None]
 
-    def pick_lane(self, prompt: list[int]) -> tuple[Lane, int]:
+    def next_admissible(self) -> Request | None:
+        """Take the first waiting request that can have a lane now, or None.
+
+        Arrival order, except that a request pinned to a busy lane (`SamplingParams.lane`) waits
+        for it while later ones go by. A pin outside the lanes is taken too: `admit` refuses it.
+        """
+        free = {lane.index for lane in self.free_lanes()}
+        for req in self.waiting:
+            pin = req.params.lane
+            if pin is None and free or pin is not None and (pin in free or not 0 <= pin < len(self.lanes)):
+                self.waiting.remove(req)
+                return req
+        return None
+
+    def pick_lane(self, prompt: list[int], pin: int | None = None) -> tuple[Lane, int]:
         """The free lane to serve `prompt` and how many of its tokens it already holds.
 
         The lane sharing the longest prefix wins; else an empty lane; else the
         least recently used idle one. At least the last prompt token is read
-        again, since its logits are needed.
+        again, since its logits are needed. `pin`: that lane, whatever it holds.
         """
+        if pin is not None:
+            if not 0 <= pin < len(self.lanes):
+                raise BadRequest(f"no lane {pin}: lanes are 0..{len(self.lanes) - 1}", "id_slot")
+            lane = self.lanes[pin]
+            shared = min(common_prefix(lane.tokens, prompt), len(prompt) - 1) if self.prefix_reuse else 0
+            return lane, self._usable(lane, shared)
         free = self.free_lanes()
         best, best_m = None, 0
         for lane in free if self.prefix_reuse else []:
@@ -149,7 +169,7 @@ class Scheduler:
 
     def admit(self, req: Request) -> Lane:
         """Put `req` in a lane, reusing a cached prefix; raise KvPoolFull if no room."""
-        lane, m = self.pick_lane(req.prompt)
+        lane, m = self.pick_lane(req.prompt, req.params.lane)
         if self.checkpoints is not None:
             return self._admit_resumed(req, lane, m)
         hit = None
@@ -189,6 +209,7 @@ class Scheduler:
         req.cached = m
         lane.request = req
         lane.pending = None
+        req.handle.lane = lane.index
         return lane
 
     def _admit_resumed(self, req: Request, lane: Lane, m: int) -> Lane:
@@ -234,6 +255,7 @@ class Scheduler:
         req.cuts = cps.cut_points(m, len(req.prompt), req.params.cut_points)
         lane.request = req
         lane.pending = None
+        req.handle.lane = lane.index
         return lane
 
     def move(self, src: Lane, dst: Lane) -> None:

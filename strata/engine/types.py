@@ -18,9 +18,10 @@ class FinishReason(str, enum.Enum):
 
 @dataclass
 class SamplingParams:
-    """How to pick tokens. Defaults give greedy decoding of up to 256 tokens."""
+    """How to pick tokens (and where: `lane`). Defaults give greedy decoding of up to 256 tokens;
+    the model's recommended sampling comes from `sampling_defaults.SamplingDefaults.params`."""
 
-    max_tokens: int = 256
+    max_tokens: int = 256  # 0: read the prompt into a lane (kept there for reuse), generate nothing
     temperature: float = 0.0  # 0 (or anything below GREEDY_BELOW, or NaN) means greedy
     top_p: float = 1.0
     top_k: int = 0  # 0 means off
@@ -39,6 +40,8 @@ class SamplingParams:
     progress: bool = False  # publish PromptProgress events while the prompt is read
     cut_points: list[int] = field(default_factory=list)  # prompt positions where a recurrent model
     # checkpoints its state (the chat's message ends, `serve/cut_points.py`)
+    lane: int | None = None  # run on this lane (llama-server's id_slot), waiting while it is busy;
+    # None: the scheduler picks the free lane holding the longest prefix
 
     @property
     def greedy(self) -> bool:

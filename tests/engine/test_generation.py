@@ -88,6 +88,6 @@ def test_bad_requests_are_refused(engine) -> None:
     with pytest.raises(BadRequest, match="empty"):
         engine.complete([], SamplingParams())
     with pytest.raises(BadRequest, match="max_tokens"):
-        engine.complete([1, 2], SamplingParams(max_tokens=0))
+        engine.complete([1, 2], SamplingParams(max_tokens=-1))  # 0 reads the prompt only
     with pytest.raises(BadRequest, match="token ids"):
         engine.complete([10**9], SamplingParams())
