@@ -14,32 +14,34 @@ from strata.engine.config import (
     config_from_args,
     version_text,
 )
+from strata.engine.sampling_defaults import (
+    SamplingDefaults,
+    add_sampling_default_arguments,
+    defaults_from_args,
+)
 from strata.engine.types import SamplingParams
 from strata.errors import BadRequest, StrataError
 
 
 def add_sampling_arguments(parser: argparse.ArgumentParser) -> None:
-    d = SamplingParams()
-    g = parser.add_argument_group("sampling")
-    g.add_argument("--max-tokens", "-n", type=int, default=d.max_tokens)
-    g.add_argument("--temperature", "--temp", type=float, default=d.temperature, help="0 = greedy")
-    g.add_argument("--top-p", type=float, default=d.top_p)
-    g.add_argument("--top-k", type=int, default=d.top_k)
-    g.add_argument("--min-p", type=float, default=d.min_p)
-    g.add_argument("--repeat-penalty", type=float, default=d.repetition_penalty)
-    g.add_argument("--presence-penalty", type=float, default=d.presence_penalty)
-    g.add_argument("--frequency-penalty", type=float, default=d.frequency_penalty)
+    """generate's and chat's sampling flags: the defaults' flags `strata serve` takes too, and
+    this request's own."""
+    g = parser.add_argument_group("sampling (left out: the model's recommendation, as the server does)")
+    g.add_argument("--max-tokens", "-n", type=int, default=SamplingParams().max_tokens)
+    add_sampling_default_arguments(g)
     g.add_argument("--sample-seed", type=int, default=None, help="seed of this request's sampling")
     g.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
 
 
-def sampling_from_args(args: argparse.Namespace) -> SamplingParams:
-    return SamplingParams(
-        max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
-        top_k=args.top_k, min_p=args.min_p, repetition_penalty=args.repeat_penalty,
-        presence_penalty=args.presence_penalty, frequency_penalty=args.frequency_penalty,
-        seed=args.sample_seed, stop=list(args.stop),
-    )
+def request_params(args: argparse.Namespace, defaults: SamplingDefaults) -> SamplingParams:
+    """The CLI's request: its flags are already in `defaults` (`defaults_from_args`), as a
+    server's are, so a prompt is sampled as `strata serve` with the same flags samples it."""
+    return defaults.params(max_tokens=args.max_tokens, seed=args.sample_seed, stop=list(args.stop))
+
+
+def engine_defaults(args: argparse.Namespace, engine: Any) -> SamplingDefaults:
+    """The sampling defaults over the loaded model's recommendation."""
+    return defaults_from_args(args, engine.loaded.sampling)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -102,7 +104,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
         else:
             ids = tok.encode(args.prompt, add_special_tokens=True)
         last = None
-        for ev in engine.generate(ids, sampling_from_args(args)):
+        for ev in engine.generate(ids, request_params(args, engine_defaults(args, engine))):
             sys.stdout.write(ev.text)
             sys.stdout.flush()
             last = ev
@@ -175,7 +177,9 @@ def cmd_chat(args: argparse.Namespace) -> int:
     engine = _engine(args)
     tok = engine.tokenizer
     messages: list[dict] = [{"role": "system", "content": args.system}] if args.system else []
+    defaults = engine_defaults(args, engine)
     print(f"strata chat on {engine.model_name}; Ctrl-C stops a reply, Ctrl-D or /exit ends.", file=sys.stderr)
+    print(defaults.describe(), file=sys.stderr)
     try:
         if paths is not None and paths[0].exists() and paths[1].exists():
             engine.restore_session(0, args.session)  # the K/V: the next turn reads only what is new
@@ -185,7 +189,7 @@ def cmd_chat(args: argparse.Namespace) -> int:
             messages.append({"role": "user", "content": line})
             ids = tok.encode(tok.apply_chat_template(messages, add_generation_prompt=True))
             try:
-                reply = _stream_reply(engine, ids, sampling_from_args(args))
+                reply = _stream_reply(engine, ids, request_params(args, defaults))
             except StrataError as e:
                 print(f"\nstrata: error: {e}", file=sys.stderr)
                 messages.pop()

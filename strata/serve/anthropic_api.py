@@ -152,7 +152,7 @@ async def messages(request: Request) -> Response:
     max_tokens = g.fit_max_tokens(len(prompt_ids), req.max_tokens, state.max_context(), "max_tokens")
     cuts = await g.cut_points(state.ready_engine(), setup.messages, kwargs, setup.template_tools, prompt_text,
                               prompt_ids)
-    params = g.sampling_params(
+    params = state.sampling.params(
         max_tokens=max_tokens,
         temperature=req.temperature,
         top_p=req.top_p,

@@ -20,6 +20,7 @@ from starlette.responses import JSONResponse, Response
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 import strata
+from strata.engine.sampling_defaults import SamplingDefaults
 from strata.serve import anthropic_api, llama_api, openai_api, slots
 from strata.serve.chat_page import PAGE_PATHS, chat_page_router
 from strata.serve.errors import ApiError, error_response
@@ -131,10 +132,14 @@ def _jsonable(value: Any) -> Any:
     return str(value)
 
 
-def attach_engine(app: FastAPI, engine: Any, model_name: str | None = None) -> None:
-    """Start serving `engine` (called once it has loaded)."""
+def attach_engine(app: FastAPI, engine: Any, model_name: str | None = None,
+                  sampling: SamplingDefaults | None = None) -> None:
+    """Start serving `engine` (called once it has loaded); `sampling`: the defaults resolved over
+    its model's recommendation (`sampling_defaults.py`), set before the first request can use them."""
     state: ServeState = app.state.strata
     state.model_name = model_name or getattr(engine, "model_name", None) or state.model_name
+    if sampling is not None:
+        state.sampling = sampling
     state.engine = engine
 
 
@@ -147,6 +152,7 @@ def build_app(
     cors_origins: list[str] | None = None,
     keepalive_s: float = 5.0,
     chat_page: bool = True,
+    sampling: SamplingDefaults | None = None,
 ) -> FastAPI:
     """The HTTP app over `engine`; None means "loading" until attach_engine().
 
@@ -156,13 +162,14 @@ def build_app(
     An empty `api_key` is refused: it would silently turn authentication off.
     `keepalive_s`: a stream the engine has said nothing on for this long (queued,
     or reading a long prompt) gets a keep-alive line. `chat_page`: the browser page at `/`
-    (off with `--no-webui`).
+    (off with `--no-webui`). `sampling`: the defaults a request's unset sampling fields take
+    (Strata's base when None).
     """
     if api_key is not None and not api_key.strip():
         raise ValueError("an empty API key would turn authentication off; pass None for no key")
     name = model_name or (getattr(engine, "model_name", None) if engine is not None else None) or "strata"
     state = ServeState(engine=engine, model_name=name, api_key=api_key, session_dir=session_dir,
-                       keepalive_s=keepalive_s)
+                       keepalive_s=keepalive_s, sampling=sampling or SamplingDefaults())
     app = FastAPI(title="Strata", version=strata.__version__, docs_url=None, redoc_url=None,
                   openapi_url=None)
     app.state.strata = state

@@ -111,41 +111,6 @@ def fit_max_tokens(prompt_len: int, max_tokens: int | None, max_context: int, fi
     return max_tokens
 
 
-def sampling_params(
-    *,
-    max_tokens: int,
-    temperature: float | None,
-    top_p: float | None = None,
-    top_k: int | None = None,
-    min_p: float | None = None,
-    repetition_penalty: float | None = None,
-    presence_penalty: float | None = None,
-    frequency_penalty: float | None = None,
-    seed: int | None = None,
-    stop: list[str] | None = None,
-    logprobs: int | None = None,
-    **engine_fields: Any,
-) -> SamplingParams:
-    """SamplingParams with the APIs' defaults (both default temperature to 1.0).
-
-    `engine_fields` pass through as they are (grammar, min_tokens, logit_bias, ...).
-    """
-    return SamplingParams(
-        **engine_fields,
-        max_tokens=max_tokens,
-        temperature=1.0 if temperature is None else temperature,
-        top_p=1.0 if top_p is None else top_p,
-        top_k=0 if top_k is None or top_k < 0 else top_k,
-        min_p=min_p or 0.0,
-        repetition_penalty=1.0 if repetition_penalty is None else repetition_penalty,
-        presence_penalty=presence_penalty or 0.0,
-        frequency_penalty=frequency_penalty or 0.0,
-        seed=seed,
-        stop=list(stop or []),
-        logprobs=logprobs,
-    )
-
-
 class Generation:
     """One request's life in the engine, from submission to the last event."""
 

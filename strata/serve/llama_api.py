@@ -18,6 +18,7 @@ from starlette.concurrency import run_in_threadpool
 from starlette.responses import JSONResponse, Response
 
 import strata
+from strata.engine.sampling_defaults import SamplingDefaults
 from strata.engine.types import SamplingParams, StreamEvent
 from strata.serve import generation as g
 from strata.serve import llama_format as fmt
@@ -81,9 +82,10 @@ def _max_tokens(prompt_len: int, n_predict: int, max_context: int) -> int:
     return room if n_predict < 0 else min(n_predict, room)
 
 
-def _params(req: NativeCompletionRequest, max_tokens: int) -> SamplingParams:
+def _params(defaults: SamplingDefaults, req: NativeCompletionRequest, max_tokens: int) -> SamplingParams:
+    """The request's fields over the server's defaults."""
     temperature = None if req.temperature is None else max(req.temperature, 0.0)
-    return g.sampling_params(
+    return defaults.params(
         max_tokens=max_tokens, temperature=temperature, top_p=req.top_p, top_k=req.top_k, min_p=req.min_p,
         repetition_penalty=req.repeat_penalty, presence_penalty=req.presence_penalty,
         frequency_penalty=req.frequency_penalty, seed=None if req.seed in (None, -1) else req.seed,
@@ -155,7 +157,7 @@ async def completion(request: Request) -> Response:
     req = await read_body(request, NativeCompletionRequest, UNSUPPORTED_NATIVE, IGNORED_NATIVE)
     engine = state.ready_engine()
     prompt_ids = await _prompt_ids(engine, req.prompt)
-    params = _params(req, _max_tokens(len(prompt_ids), req.n_predict, state.max_context()))
+    params = _params(state.sampling, req, _max_tokens(len(prompt_ids), req.n_predict, state.max_context()))
     prompt_text = await run_in_threadpool(g.tokenizer_of(engine).decode, prompt_ids, skip_special_tokens=False)
     gen = g.Generation.for_request(request, state, prompt_ids, params)
     await g.start(request, gen, stream=req.stream)
@@ -227,7 +229,7 @@ async def props(request: Request) -> JSONResponse:
     state = serve_state(request)
     engine = state.ready_engine()
     n_ctx = state.max_context()
-    defaults = generation_settings(g.sampling_params(max_tokens=n_ctx, temperature=None), -1)
+    defaults = generation_settings(state.sampling.params(max_tokens=n_ctx), -1)
     return JSONResponse({
         "default_generation_settings": {"n_ctx": n_ctx, "params": defaults, "is_processing": False},
         "total_slots": int(engine.stats()["lanes_total"]),

@@ -50,8 +50,11 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
                    metavar="NAME", help="the model name /v1/models and every response report "
                                         "(default: the model file's or folder's name)")
     from strata.engine.config import version_text
+    from strata.engine.sampling_defaults import add_sampling_default_arguments
 
     g.add_argument("--version", action="version", version=version_text())
+    add_sampling_default_arguments(parser.add_argument_group(
+        "sampling defaults (what a request's unset fields take; left out: the model's recommendation)"))
 
 
 def _model_label(model: str | None) -> str:
@@ -68,6 +71,7 @@ def run_server(args: argparse.Namespace) -> int:
 
     from strata.engine import Engine  # the engine package is heavy; import it only to serve
     from strata.engine.config import config_from_args
+    from strata.engine.sampling_defaults import defaults_from_args
     from strata.serve.app import attach_engine, build_app
     from strata.serve.security import api_key_problem, bind_warning
 
@@ -112,8 +116,10 @@ def run_server(args: argparse.Namespace) -> int:
                 engine.close()
                 return
             holder["engine"] = engine
-            attach_engine(app, engine, model_name=alias)
+            sampling = defaults_from_args(args, engine.loaded.sampling)
+            attach_engine(app, engine, model_name=alias, sampling=sampling)
         log.info("loaded %s; serving on http://%s:%d", engine.summary(), args.host, args.port)
+        log.info("%s", sampling.describe())
 
     loader = threading.Thread(target=load, name="strata-load", daemon=True)
     loader.start()

@@ -17,7 +17,8 @@ from typing import Any
 from fastapi import APIRouter, Request
 from starlette.responses import JSONResponse, Response
 
-from strata.engine.types import StreamEvent
+from strata.engine.sampling_defaults import SamplingDefaults
+from strata.engine.types import SamplingParams, StreamEvent
 from strata.serve import generation as g
 from strata.serve import llama_format as llama_fmt
 from strata.serve import openai_format as fmt
@@ -89,11 +90,11 @@ def _tool_request(req: ChatCompletionRequest) -> ToolRequest | None:
     return ToolRequest(tools, choice or "auto", None, parallel)
 
 
-def _params(req: SamplingFields, max_tokens: int, logprobs: int | None, grammar: str | None = None,
-            cut_points: list[int] | None = None) -> Any:
-    """`cut_points`: the chat's message ends in the prompt (`g.cut_points`), for a model that
-    checkpoints there."""
-    return g.sampling_params(
+def _params(defaults: SamplingDefaults, req: SamplingFields, max_tokens: int, logprobs: int | None,
+            grammar: str | None = None, cut_points: list[int] | None = None) -> SamplingParams:
+    """The request's fields over the server's `defaults`. `cut_points`: the chat's message ends in
+    the prompt (`g.cut_points`), for a model that checkpoints there."""
+    return defaults.params(
         max_tokens=max_tokens,
         temperature=req.temperature,
         top_p=req.top_p,
@@ -203,7 +204,7 @@ async def chat_completions(request: Request) -> Response:
     max_tokens = g.fit_max_tokens(len(prompt_ids), req.wanted_max_tokens(), state.max_context(), field)
     top = req.top_logprobs or 0
     cuts = await g.cut_points(engine, setup.messages, kwargs, setup.template_tools, prompt_text, prompt_ids)
-    params = _params(req, max_tokens, req.wanted_logprobs(), setup.grammar, cuts)
+    params = _params(state.sampling, req, max_tokens, req.wanted_logprobs(), setup.grammar, cuts)
     gen = g.Generation.for_request(request, state, prompt_ids, params)
     splitter = ThinkSplitter(prompt_opens_thinking(prompt_text))
     await g.start(request, gen, stream=req.stream)
@@ -305,7 +306,7 @@ async def completions(request: Request) -> Response:
     prompt_ids = await _completion_prompt(state, req)
     wanted = req.max_tokens if req.max_tokens is not None else COMPLETIONS_DEFAULT_MAX_TOKENS
     max_tokens = g.fit_max_tokens(len(prompt_ids), wanted, state.max_context(), "max_tokens")
-    params = _params(req, max_tokens, req.logprobs)
+    params = _params(state.sampling, req, max_tokens, req.logprobs)
     gen = g.Generation.for_request(request, state, prompt_ids, params)
     await g.start(request, gen, stream=req.stream)
     reply = _Reply(f"cmpl-{uuid.uuid4().hex}", "text_completion", int(time.time()),

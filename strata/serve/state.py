@@ -13,6 +13,7 @@ from typing import Any
 
 from starlette.requests import Request
 
+from strata.engine.sampling_defaults import SamplingDefaults
 from strata.serve.errors import ApiError
 from strata.serve.metrics import ServeMetrics
 
@@ -27,6 +28,7 @@ class ServeState:
     session_dir: str | None = None  # the engine's --session-dir (the engine enforces it)
     load_error: str | None = None
     keepalive_s: float = 5.0  # a stream silent this long gets a keep-alive (a long prompt read)
+    sampling: SamplingDefaults = field(default_factory=SamplingDefaults)  # for unset sampling fields
     started: float = field(default_factory=time.time)
     metrics: ServeMetrics = field(init=False)
 

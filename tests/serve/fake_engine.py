@@ -29,6 +29,7 @@ from strata.engine.types import (
     TokenLogprob,
 )
 from strata.errors import BadRequest, LaneBusy
+from strata.models.generation_defaults import ModelSampling
 
 BOS, EOS = 1, 2
 OFFSET = 10  # ids below are special
@@ -232,6 +233,7 @@ class FakeEngine:
         self.config = EngineConfig(max_context=max_context, parallel=lanes)
         self.model_name = "fake-model"
         self.tokenizer = FakeTokenizer()
+        self.loaded = SimpleNamespace(sampling=ModelSampling())  # what the model's files recommend
         self.closed = False
         self.reset()
 
