@@ -162,6 +162,11 @@ class Generation:
             started=info.get("t0", time.monotonic()), **kw,
         )
 
+    @property
+    def lane(self) -> int | None:
+        """The engine lane serving the request, once it is admitted (llama-server's id_slot)."""
+        return None if self._handle is None else self._handle.lane
+
     async def start(self, wait: float | None = None) -> None:
         """Submit and read the first event: a refusal by then is the client's status code.
 

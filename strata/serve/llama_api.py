@@ -25,6 +25,7 @@ from strata.serve import llama_format as fmt
 from strata.serve.errors import ApiError
 from strata.serve.openai_api import chat_prompt
 from strata.serve.request_body import read_body
+from strata.serve.samplers import STRATA_ORDER, apply_samplers
 from strata.serve.schemas_llama import (
     IGNORED_NATIVE,
     UNSUPPORTED_NATIVE,
@@ -82,26 +83,40 @@ def _max_tokens(prompt_len: int, n_predict: int, max_context: int) -> int:
     return room if n_predict < 0 else min(n_predict, room)
 
 
-def _params(defaults: SamplingDefaults, req: NativeCompletionRequest, max_tokens: int) -> SamplingParams:
-    """The request's fields over the server's defaults."""
+def _lane(engine: Any, id_slot: int) -> int | None:
+    """The lane `id_slot` pins the request to (None: any); a 400 naming id_slot past the last."""
+    if id_slot == ANY_SLOT:
+        return None
+    lanes = int(engine.stats()["lanes_total"])
+    if id_slot >= lanes:
+        raise ApiError(400, f"id_slot {id_slot}: this server has slots 0..{lanes - 1} (-1: any)",
+                       param="id_slot", code="invalid_request")
+    return id_slot
+
+
+def _params(defaults: SamplingDefaults, req: NativeCompletionRequest, max_tokens: int,
+            lane: int | None) -> SamplingParams:
+    """The request's fields over the server's defaults, then its `samplers` chain (samplers.py)."""
     temperature = None if req.temperature is None else max(req.temperature, 0.0)
-    return defaults.params(
+    params = defaults.params(
         max_tokens=max_tokens, temperature=temperature, top_p=req.top_p, top_k=req.top_k, min_p=req.min_p,
         repetition_penalty=req.repeat_penalty, presence_penalty=req.presence_penalty,
         frequency_penalty=req.frequency_penalty, seed=None if req.seed in (None, -1) else req.seed,
-        stop=req.stop, logprobs=req.n_probs or None, ignore_eos=req.ignore_eos,
+        stop=req.stop, logprobs=req.n_probs or None, ignore_eos=req.ignore_eos, lane=lane,
     )
+    return apply_samplers(params, req.samplers)
 
 
 def generation_settings(params: SamplingParams, n_predict: int, stream: bool = False) -> dict[str, Any]:
-    """The sampling a request runs with, named as llama-server names it."""
+    """The sampling a request runs with, named as llama-server names it (`samplers`: the order
+    Strata applies, which a client may send back as it is)."""
     return {
         "n_predict": n_predict, "temperature": params.temperature, "top_k": params.top_k,
         "top_p": params.top_p, "min_p": params.min_p, "repeat_penalty": params.repetition_penalty,
         "repeat_last_n": -1, "presence_penalty": params.presence_penalty,
         "frequency_penalty": params.frequency_penalty, "seed": -1 if params.seed is None else params.seed,
         "stop": list(params.stop), "ignore_eos": params.ignore_eos, "n_probs": params.logprobs or 0,
-        "stream": stream, "cache_prompt": True,
+        "stream": stream, "cache_prompt": True, "samplers": list(STRATA_ORDER),
     }
 
 
@@ -114,10 +129,15 @@ class _Answer:
         self.req = req
         self.prompt = prompt
 
+    def _slot(self) -> int:
+        """The lane that ran the request, once the engine has admitted it."""
+        lane = self.gen.lane
+        return ANY_SLOT if lane is None else lane
+
     def partial(self, text: str, ids: list[int], lps: list[Any]) -> dict[str, Any]:
         body: dict[str, Any] = {
             "index": 0, "content": text, "tokens": list(ids) if self.req.return_tokens else [],
-            "stop": False, "id_slot": ANY_SLOT, "tokens_predicted": self.gen.completion_tokens,
+            "stop": False, "id_slot": self._slot(), "tokens_predicted": self.gen.completion_tokens,
             "tokens_evaluated": self.gen.prompt_tokens,
         }
         if self.req.n_probs:
@@ -129,7 +149,7 @@ class _Answer:
         assert final is not None
         body: dict[str, Any] = {
             "index": 0, "content": text, "tokens": list(ids) if self.req.return_tokens else [],
-            "id_slot": ANY_SLOT, "stop": True, "model": self.state.model_name,
+            "id_slot": self._slot(), "stop": True, "model": self.state.model_name,
             "tokens_predicted": gen.completion_tokens, "tokens_evaluated": gen.prompt_tokens,
             "generation_settings": generation_settings(gen.params, self.req.n_predict, self.req.stream),
             "prompt": self.prompt, "has_new_line": "\n" in text, "truncated": final.truncated,
@@ -152,12 +172,15 @@ class _Answer:
 
 @router.post("/completion")
 async def completion(request: Request) -> Response:
-    """llama-server's native completion: whole, or SSE `data:` lines ending with `"stop": true`."""
+    """llama-server's native completion: whole, or SSE `data:` lines ending with `"stop": true`.
+    `n_predict: 0` reads the prompt into a lane and answers with no text (llama.cpp's way to warm
+    the cache); `id_slot` runs it on that lane."""
     state = serve_state(request)
     req = await read_body(request, NativeCompletionRequest, UNSUPPORTED_NATIVE, IGNORED_NATIVE)
     engine = state.ready_engine()
+    lane = _lane(engine, req.id_slot)
     prompt_ids = await _prompt_ids(engine, req.prompt)
-    params = _params(state.sampling, req, _max_tokens(len(prompt_ids), req.n_predict, state.max_context()))
+    params = _params(state.sampling, req, _max_tokens(len(prompt_ids), req.n_predict, state.max_context()), lane)
     prompt_text = await run_in_threadpool(g.tokenizer_of(engine).decode, prompt_ids, skip_special_tokens=False)
     gen = g.Generation.for_request(request, state, prompt_ids, params)
     await g.start(request, gen, stream=req.stream)

@@ -15,6 +15,8 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 from strata.serve.errors import FieldError
 from strata.serve.limits import LIMITS, check_stop_strings
 
+SAMPLERS_MAX = 32  # names (or letters) in one sampler chain: llama.cpp's has 11 kinds
+
 
 class _Strict(BaseModel):
     model_config = ConfigDict(extra="forbid", strict=True)
@@ -24,7 +26,7 @@ class NativeCompletionRequest(_Strict):
     """`POST /completion`: a prompt as text, token ids, or both mixed in one list."""
 
     prompt: str | list[int | str] = Field(union_mode="left_to_right")
-    n_predict: int = Field(-1, ge=-1)  # -1: until EOS or the context is full
+    n_predict: int = Field(-1, ge=-1)  # -1: until EOS or the context is full; 0: read the prompt only
     temperature: float | None = None  # <= 0 is greedy, as in llama.cpp
     top_k: int | None = Field(None, ge=-1)  # 0 and -1: off
     top_p: float | None = Field(None, ge=0.0, le=1.0)  # 1.0: off (0 keeps only the top token)
@@ -37,8 +39,9 @@ class NativeCompletionRequest(_Strict):
     stop: list[str] | None = None
     stream: bool = False
     cache_prompt: bool = True  # Strata always reuses a cached prefix; false is served the same way
-    id_slot: int = -1  # Strata picks the lane itself: only -1 (any) is accepted
+    id_slot: int = Field(-1, ge=-1)  # -1: the scheduler picks (the longest prefix); N: lane N
     n_probs: int = Field(0, ge=0, le=20)
+    samplers: str | list[str] | None = Field(None, max_length=SAMPLERS_MAX)  # the chain (samplers.py)
     post_sampling_probs: bool = False
     return_tokens: bool = False
     ignore_eos: bool = False
@@ -53,12 +56,6 @@ class NativeCompletionRequest(_Strict):
             if len(self.prompt) > 1 and all(isinstance(p, str) for p in self.prompt):
                 raise FieldError("prompt", "several prompts in one request are not supported: "
                                            "send one prompt (a string, or a list mixing token ids and strings)")
-        if self.n_predict == 0:
-            raise FieldError("n_predict", "n_predict 0 (read the prompt only) is not supported: "
-                                          "use -1 or a positive count")
-        if self.id_slot != -1:
-            raise FieldError("id_slot", f"id_slot {self.id_slot}: this server picks the slot itself "
-                                        "(the lane holding the longest matching prefix); send -1")
         if self.post_sampling_probs:
             raise FieldError("post_sampling_probs", "post_sampling_probs is not supported: n_probs "
                                                     "reports the model's log-probabilities before sampling")
@@ -103,7 +100,6 @@ UNSUPPORTED_NATIVE: dict[str, list[Any]] = {
     "t_max_predict_ms": [0],
     "response_fields": [],
     "multimodal_data": [[]],
-    "samplers": [],
 }
 
 # Fields that cannot change an answer here (context shift, diagnostics): accepted and dropped.

@@ -102,6 +102,7 @@ class FakeHandle:
     cancelled: bool = False
     events_sent: int = field(default=0)
     id: int = field(default_factory=lambda: next(_handle_ids))
+    lane: int | None = None  # the lane it runs on, once it runs (as RequestHandle.lane)
 
     def cancel(self) -> None:
         if not self.cancelled:
@@ -120,7 +121,7 @@ class FakeHandle:
         if cached:
             eng.prefix_reuse_hits += 1
         full = reply_for(prompt, p) if eng.reply is None else eng.reply
-        lane = eng.take_lane(self)
+        lane = self.lane = eng.take_lane(self)
         try:
             if p.progress:  # the prompt read in two halves
                 total = len(self.prompt_ids)
@@ -139,6 +140,9 @@ class FakeHandle:
         out = ""  # generated text, stop strings not yet ruled out included
         sent = 0  # characters of `out` already published
         n = 0
+        if p.max_tokens == 0:  # the prompt only: it stays in the lane
+            yield self._event("", [], 0, cached, FinishReason.LENGTH)
+            return
         for ch in full:
             if eng.delay:
                 await asyncio.sleep(eng.delay)
@@ -276,8 +280,9 @@ class FakeEngine:
         return FakeHandle(self, list(prompt_ids), params)
 
     def take_lane(self, handle: FakeHandle) -> int:
+        """The request's pinned lane (`SamplingParams.lane`), else the first free one."""
         free = [i for i, h in self.lanes.items() if h is None]
-        lane = free[0] if free else max(self.lanes) + 1
+        lane = handle.params.lane if handle.params.lane is not None else free[0] if free else max(self.lanes) + 1
         self.lanes[lane] = handle
         return lane
 

@@ -45,7 +45,7 @@ def test_completion_answer_fields(http: httpx.Client, engine: FakeEngine) -> Non
     assert out["tokens_predicted"] == len("You said: hi.") + 1  # the text plus EOS
     assert out["tokens_evaluated"] == 3  # BOS, h, i
     assert out["tokens"] == ids("You said: hi.") + [EOS]
-    assert out["truncated"] is False and out["model"] == "fake-model" and out["id_slot"] == -1
+    assert out["truncated"] is False and out["model"] == "fake-model" and out["id_slot"] == 0  # the lane used
     assert out["prompt"] == "<s>hi"
     t = out["timings"]
     assert set(t) == TIMINGS
@@ -135,9 +135,9 @@ def test_n_probs(http: httpx.Client) -> None:
 
 
 @pytest.mark.parametrize("body, field", [
-    ({"prompt": "hi", "id_slot": 1}, "id_slot"),
+    ({"prompt": "hi", "id_slot": 2}, "id_slot"),  # the fake engine has lanes 0 and 1
+    ({"prompt": "hi", "id_slot": -2}, "id_slot"),
     ({"prompt": "hi", "n_predict": -2}, "n_predict"),
-    ({"prompt": "hi", "n_predict": 0}, "n_predict"),
     ({"prompt": 5}, "prompt"),
     ({"prompt": []}, "prompt"),
     ({"prompt": ["one", "two"]}, "prompt"),
@@ -151,7 +151,9 @@ def test_n_probs(http: httpx.Client) -> None:
     ({"prompt": "hi", "stop": [""]}, "stop"),
     ({"prompt": "hi", "stream": "yes"}, "stream"),
     ({"prompt": "hi", "no_such_field": 1}, "no_such_field"),
-    ({"prompt": "hi", "samplers": ["top_k"]}, "samplers"),
+    ({"prompt": "hi", "samplers": ["mirostat"]}, "samplers"),
+    ({"prompt": "hi", "samplers": "kq"}, "samplers"),
+    ({"prompt": "hi", "samplers": 3}, "samplers"),
     ({"prompt": "hi", "mirostat": 2}, "mirostat"),
     ({"prompt": "hi", "grammar": "root ::= \"a\""}, "grammar"),
     ({"prompt": "hi", "post_sampling_probs": True}, "post_sampling_probs"),
