@@ -380,14 +380,16 @@ async def event_stream(
     *,
     beat: str,
     every: float,
+    after_error: Iterable[str] = (),
 ) -> AsyncIterator[str]:
     """A streaming answer's SSE lines: head, each event's lines, then tail.
 
     `beat` is sent whenever the engine has said nothing for `every` seconds
     (a queue or a long prompt read), so the connection stays alive. A failure
-    mid-way, a refusal after the headers included, ends the stream with an
-    error event in the path's dialect instead of the tail: the 200 status has
-    already been sent.
+    mid-way, a refusal after the headers or a cancellation by a stopping
+    server included, ends the stream with an error event in the path's dialect,
+    then `after_error` (the OpenAI routes' `[DONE]`, which their clients stop
+    reading at), instead of the tail: the 200 status has already been sent.
     """
     for line in head:
         yield line
@@ -400,6 +402,8 @@ async def event_stream(
                 yield line
     except ApiError as err:
         yield sse_error_payload(request.url.path, err)
+        for line in after_error:
+            yield line
         return
     for line in tail():
         yield line

@@ -50,6 +50,7 @@ from strata.serve.tools import (
 router = APIRouter()
 
 KEEPALIVE = ": keep-alive\n\n"  # an SSE comment: every SDK skips it, every proxy sees traffic
+DONE = "data: [DONE]\n\n"  # a stream's last line, after a good end or an error event alike
 
 
 def _data(obj: dict[str, Any]) -> str:
@@ -151,9 +152,9 @@ class _Reply:
     def tail(self, gen: g.Generation) -> list[str]:
         """A stream's closing lines after a good end: the usage chunk if asked for, then [DONE]."""
         if not self.include_usage:
-            return ["data: [DONE]\n\n"]
+            return [DONE]
         body = {**self._head(), "system_fingerprint": None, "choices": [], "usage": fmt.usage(gen)}
-        return [_data(body), "data: [DONE]\n\n"]
+        return [_data(body), DONE]
 
 
 def _choice(
@@ -215,7 +216,8 @@ async def chat_completions(request: Request) -> Response:
     if req.stream:
         chunks = _ChatChunks(reply, setup.stream(ids), req, top, gen)
         return g.sse(gen, g.event_stream(request, gen, [chunks.head()], lambda e: chunks.each(splitter, e),
-                                         lambda: reply.tail(gen), beat=KEEPALIVE, every=state.keepalive_s))
+                                         lambda: reply.tail(gen), beat=KEEPALIVE, every=state.keepalive_s,
+                                         after_error=[DONE]))
     out = await g.collect_all(request, gen, splitter)
     stop = out.final.stop_string if req.include_stop_str_in_output else None
     parsed = setup.parse(out.content + (stop or ""), ids)
@@ -341,7 +343,8 @@ def _completion_stream(
         if event.finish_reason is not None:
             yield reply.chunk(_choice({"text": ""}, None, event), gen)
 
-    return g.event_stream(request, gen, [], each, lambda: reply.tail(gen), beat=KEEPALIVE, every=every)
+    return g.event_stream(request, gen, [], each, lambda: reply.tail(gen), beat=KEEPALIVE, every=every,
+                          after_error=[DONE])
 
 
 def _model_card(state: ServeState) -> dict[str, Any]:

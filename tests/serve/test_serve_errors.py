@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from collections.abc import Iterator
 from typing import Any
 
@@ -181,6 +182,44 @@ def test_failure_mid_stream_sends_an_error_event(oai: openai.OpenAI, claude: ant
         with claude.messages.stream(model="m", max_tokens=50, messages=USER) as s:
             for _ in s:
                 pass
+
+
+# A stream per route: (path, body); each ends, once its headers are out, with its dialect's last lines.
+STREAMS = [(CHAT, {"model": "m", "messages": USER, "stream": True}),
+           ("/v1/completions", {"model": "m", "prompt": "hi", "stream": True}),
+           (MSGS, {"model": "m", "messages": USER, "max_tokens": 50, "stream": True}),
+           ("/completion", {"prompt": "hi", "stream": True})]
+
+
+def _tail(lines: list[str], path: str) -> dict[str, Any]:
+    """The error a stream ended with, checking what follows it: OpenAI's [DONE], nothing else."""
+    if path in (CHAT, "/v1/completions"):
+        assert lines[-1] == "data: [DONE]", lines[-3:]  # OpenAI clients stop reading there
+        lines = lines[:-1]
+    if path == MSGS:
+        assert lines[-2] == "event: error", lines[-3:]
+    return json.loads(lines[-1].removeprefix("data: "))
+
+
+@pytest.mark.parametrize("path, body", STREAMS)
+def test_a_stream_cut_short_ends_with_the_apis_last_lines(http: httpx.Client, engine: FakeEngine, path: str,
+                                                        body: dict[str, Any]) -> None:
+    """A failure, and a stopping server's cancellation (Engine.cancel_all), after the headers."""
+    engine.fail_after = 3
+    with http.stream("POST", path, json=body) as r:
+        lines = [line for line in r.iter_lines() if line]
+    assert "exploded" in json.dumps(_tail(lines, path))
+    engine.fail_after, engine.reply, engine.delay = None, "x" * 200, 0.01
+    with http.stream("POST", path, json=body) as r:
+        lines = []
+        for line in r.iter_lines():
+            if line:
+                lines.append(line)
+            if len(lines) == 3:
+                engine.cancel_all()
+    error = _tail(lines, path)["error"]
+    assert "cancelled" in (error.get("code") or error["message"])  # Anthropic's errors have no code
+    assert len(lines) < 100  # it ended at the cancellation, not after the 200 characters
 
 
 def test_template_refusal_is_400(http: httpx.Client) -> None:

@@ -74,39 +74,51 @@ def test_sigint_while_loading_exits_130_in_one_line() -> None:
 
 
 def test_sigint_mid_stream_ends_the_stream_with_a_last_event() -> None:
-    """The real server on the default model: a long stream gets the API's error event (code
-    `cancelled`) when the server is told to stop, and the process exits 0 with no traceback."""
+    """The real server on the default model: long streams on each API get their last lines when the
+    server is told to stop (OpenAI: the error event with code `cancelled`, then `[DONE]`;
+    Anthropic: its `error` event; llama-server's /completion: an error line), and the process
+    exits 0 with no traceback."""
     import json
     import threading
 
     port = free_port()
-    proc = subprocess.Popen([sys.executable, "-m", "strata.cli", "serve", "--port", str(port)],
+    proc = subprocess.Popen([sys.executable, "-m", "strata.cli", "serve", "--port", str(port), "--parallel", "3"],
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     url = f"http://127.0.0.1:{port}"
-    lines: list[str] = []
-    first = threading.Event()
+    story = [{"role": "user", "content": "Write a very long story."}]
+    bodies = {"/v1/chat/completions": {"messages": story, "max_tokens": 3000, "seed": 1},
+              "/v1/messages": {"model": "m", "messages": story, "max_tokens": 3000},
+              "/completion": {"prompt": "Once upon a time", "n_predict": 3000, "seed": 1}}
+    lines: dict[str, list[str]] = {path: [] for path in bodies}
+    started = {path: threading.Event() for path in bodies}
 
-    def client() -> None:
-        body = {"messages": [{"role": "user", "content": "Write a very long story."}], "max_tokens": 3000,
-                "stream": True, "temperature": 0.8, "seed": 1}
-        with httpx.stream("POST", f"{url}/v1/chat/completions", json=body, timeout=60) as r:
+    def client(path: str) -> None:
+        body = {**bodies[path], "stream": True, "temperature": 0.8}
+        with httpx.stream("POST", f"{url}{path}", json=body, timeout=60) as r:
             for line in r.iter_lines():
                 if line:
-                    lines.append(line)
-                    first.set()
+                    lines[path].append(line)
+                    if '"content"' in line or "text_delta" in line:
+                        started[path].set()  # text is flowing: the request holds a lane
 
     try:
         assert wait_for_health(url, 120)
-        reader = threading.Thread(target=client)
-        reader.start()
-        assert first.wait(60)
+        readers = [threading.Thread(target=client, args=(path,)) for path in bodies]
+        for reader in readers:
+            reader.start()
+        assert all(event.wait(60) for event in started.values()), {p: got[:3] for p, got in lines.items()}
         stopped = time.monotonic()
         proc.send_signal(signal.SIGINT)
         out, _ = proc.communicate(timeout=30)
-        reader.join(10)
+        for reader in readers:
+            reader.join(10)
     finally:
         if proc.poll() is None:
             proc.kill()
     assert proc.returncode == 0 and "Traceback" not in out, out
-    assert json.loads(lines[-1].removeprefix("data: "))["error"]["code"] == "cancelled"
+    chat, claude, llama = (lines[path] for path in bodies)
+    assert chat[-1] == "data: [DONE]", chat[-3:]
+    assert json.loads(chat[-2].removeprefix("data: "))["error"]["code"] == "cancelled"
+    assert claude[-2] == "event: error" and "cancelled" in json.loads(claude[-1][6:])["error"]["message"]
+    assert json.loads(llama[-1].removeprefix("data: "))["error"]["code"] == "cancelled"
     assert time.monotonic() - stopped < 10

@@ -119,8 +119,8 @@ def test_a_refusal_after_the_headers_is_the_apis_error_event(quick_beats: Server
     with httpx.Client(base_url=quick_beats.url, timeout=20) as http:
         with http.stream("POST", CHAT, json=body) as s:
             lines = [line for line in s.iter_lines() if line.startswith("data: ")]
-        assert s.status_code == 200
-        err = json.loads(lines[-1][6:])["error"]
+        assert s.status_code == 200 and lines[-1] == "data: [DONE]"  # after the error, as after an answer
+        err = json.loads(lines[-2][6:])["error"]
         assert err["code"] == "queue_full" and "already waiting" in err["message"]
         with http.stream("POST", MESSAGES, json=body) as s:
             text = s.read().decode()
