@@ -29,7 +29,8 @@ class EngineConfig:
     dtype: str = "auto"  # auto | float32 | bfloat16 | float16
     weights: str = "auto"  # auto (int4/int8 on the CPU in bfloat16) | dense | int8 | int4
     parallel: int = 1  # lanes decoded together
-    max_context: int = 4096  # tokens one conversation may reach
+    max_context: int = 0  # tokens one conversation may reach; 0 = the model's trained context,
+    # capped by the memory the pool may take (engine/context.py); the engine's copy says the number
     kv_pool_tokens: int | None = None  # shared pool size in cells; None = lanes x max_context
     kv_chunk: int | None = None  # cells per pool chunk; None = chosen by pool_chunk_size()
     kv: str = "auto"  # cell format: auto (the compute dtype) | fp32 | fp16 | bf16 | int8 | q4_0 | k8v4
@@ -83,6 +84,8 @@ def pool_chunk_size(config: EngineConfig) -> int:
     --kv-pool-tokens every lane owns --max-context cells, so 4096 (or
     --max-context, if smaller) it is.
     """
+    if config.max_context < 1:
+        raise ValueError(f"pool_chunk_size needs a resolved --max-context, not {config.max_context}")
     if config.kv_chunk is not None:
         return min(config.kv_chunk, config.max_context)
     sizes = [c for c in (DEFAULT_KV_CHUNK >> i for i in range(7)) if c <= config.max_context]
@@ -210,8 +213,10 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
                         "the CPU in bfloat16, dense elsewhere")
     g.add_argument("--parallel", "-np", "--max-num-seqs", type=int, default=d.parallel,
                    help="lanes decoded together")
-    g.add_argument("--max-context", "--ctx-size", "-c", "--max-model-len", type=int, default=d.max_context,
-                   help="tokens one conversation may reach")
+    g.add_argument("--max-context", "--ctx-size", "-c", "--max-model-len", type=context_arg,
+                   default=d.max_context, metavar="N",
+                   help="tokens one conversation may reach (default 0: the model's trained context, "
+                        "capped so the KV pool fits the free memory; start-up says which)")
     g.add_argument("--kv-pool-tokens", type=int, default=d.kv_pool_tokens,
                    help="cells in one KV pool shared by all lanes (default: lanes x max-context)")
     g.add_argument("--kv-chunk", type=int, default=d.kv_chunk,
@@ -338,6 +343,14 @@ def kv_arg(text: str) -> str:
     hint = same.get((text, text))
     hint_text = f" (llama.cpp's {text} cache is --kv {hint}, or -ctk {text} -ctv {text})" if hint else ""
     raise argparse.ArgumentTypeError(f"choose from {', '.join(KV_CHOICES)}, not {text!r}{hint_text}")
+
+
+def context_arg(text: str) -> int:
+    """--max-context: 0 (the model's trained context, as llama-server's -c 0) or a token count."""
+    if text.isdigit():
+        return int(text)
+    raise argparse.ArgumentTypeError(f"choose 0 (the model's trained context) or a number of tokens, "
+                                     f"not {text!r}")
 
 
 def device_arg(text: str) -> str:

@@ -8,6 +8,7 @@ busy lanes, samples, detokenizes and publishes events to the handles.
 from __future__ import annotations
 
 import copy
+import dataclasses
 import logging
 import threading
 from collections import deque
@@ -27,6 +28,7 @@ from strata.engine.config import (
     pool_chunk_size,
     split_of,
 )
+from strata.engine.context import PastTrained, resolve_context
 from strata.engine.controls import banned_ids, biased, controls_error
 from strata.engine.conversation_cache import ConversationCache
 from strata.engine.draft_model import DraftModelProposer, check_same_vocabulary
@@ -69,6 +71,7 @@ from strata.models.experts import (
     install_expert_cache,
 )
 from strata.models.moe import graph_safe
+from strata.models.rope import is_scaled
 from strata.parallel.build import PoolShape, part_on
 from strata.parallel.split_pool import SplitPool
 from strata.tokenizer import IncrementalDetokenizer
@@ -104,6 +107,9 @@ class Engine:
         if config.ctx_checkpoints < 0 or config.prompt_cache_min_step < 0:
             raise BadRequest("--ctx-checkpoints and --prompt-cache-min-step must be at least 0",
                              "ctx_checkpoints")
+        if config.max_context < 0:
+            raise BadRequest(f"--max-context must be 0 (the model's trained context) or a number of "
+                             f"tokens, not {config.max_context}", "max_context")
         if config.threads is not None and config.threads < 1:
             raise BadRequest(f"--threads must be at least 1, got {config.threads}", "threads")
         self._inbox: deque[Request] = deque()
@@ -147,8 +153,6 @@ class Engine:
                                            experts_on_host=slots is not None)
         if self.loaded.tokenizer is None:
             raise ModelLoadError(self.loaded.path, "the model carries no tokenizer")
-        if self.loaded.model.max_positions < config.max_context:
-            self.loaded.model.set_max_positions(config.max_context)
         self.model_config = self.loaded.config
         check_gpu_layers(config, self.model_config.num_layers)
         self.tokenizer = self.loaded.tokenizer
@@ -161,6 +165,12 @@ class Engine:
         self.dtype = next(self.loaded.model.parameters()).dtype
         kv_name = _KV_AUTO[self.dtype] if config.kv == "auto" else config.kv
         fmt = make_format(kv_name, mc.num_kv_heads, mc.head_dim)
+        # -c 0 (the default): the trained context, capped by memory; the engine's config says the number
+        self.context = resolve_context(config, self.loaded.model, fmt.cell_bytes())
+        self.config = config = dataclasses.replace(config, max_context=self.context.tokens)
+        self.past_trained = PastTrained(self.context.trained, is_scaled(mc))
+        if self.loaded.model.max_positions < config.max_context:
+            self.loaded.model.set_max_positions(config.max_context)
         chunk = pool_chunk_size(config)
         shape = PoolShape(fmt, config.parallel, config.max_context, chunk, config.kv_pool_tokens,
                           config.kv_resident)
@@ -315,7 +325,8 @@ class Engine:
         parts = [f"{self.model_name} ({mc.arch}, {mc.num_layers} layers) on {self.device}, {dtype}, "
                  f"weights {self.loaded.weights} {weights / 2**30:.2f} GiB",
                  f"KV {pool.fmt.name}: {self.config.parallel} lanes, {pool.total_cells} cells in "
-                 f"{pool.num_chunks} chunks of {pool.chunk_size}, {pool.total_bytes() / 2**20:.1f} MiB"]
+                 f"{pool.num_chunks} chunks of {pool.chunk_size}, {pool.total_bytes() / 2**20:.1f} MiB",
+                 self.context.describe()]
         if self.states is not None:
             parts.append(f"layer state {self.states.total_bytes() / 2**20:.1f} MiB, "
                          f"{self.config.ctx_checkpoints} checkpoints a conversation")
@@ -605,6 +616,7 @@ class Engine:
                 assert lane.pending is not None
                 lane.tokens.append(lane.pending)
                 lane.pending = None
+            self.past_trained.see(len(lane.tokens), req.handle.id)
             if wanted > 1:
                 verifying.append((lane, first[i], req))
             elif wanted:

@@ -25,18 +25,23 @@ def _eos_list(value: Any) -> list[int]:
     return [int(value)]
 
 
-def _check_rope(path: str, scaling: dict[str, Any] | None) -> dict[str, Any] | None:
+def _check_rope(path: str, scaling: dict[str, Any] | None, original: Any = None) -> dict[str, Any] | None:
+    """The scaling dict a ModelConfig keeps (None: plain RoPE). `original`: a config's top-level
+    original_max_position_embeddings, which transformers puts in a llama3 or yarn dict."""
     kind = rope_type(scaling)
     if kind not in SUPPORTED_ROPE_TYPES:
         _unsupported_rope(path, kind)
     if kind == "default" or scaling is None:
         return None
-    if kind in ("linear", "llama3") and "factor" not in scaling:
+    factor = scaling.get("factor")
+    if kind in ("linear", "llama3", "dynamic") and factor is None:
         raise ModelLoadError(path, f"rope scaling {kind!r} lacks its factor")
-    return {
-        "rope_type": kind,
-        **{k: v for k, v in scaling.items() if k not in ("type", "rope_type", "rope_theta")},
-    }
+    if factor is not None and (isinstance(factor, bool) or not isinstance(factor, (int, float)) or factor <= 0):
+        raise ModelLoadError(path, f"rope scaling {kind!r} has factor {factor!r}, not a positive number")
+    out = {"rope_type": kind, **{k: v for k, v in scaling.items() if k not in ("type", "rope_type", "rope_theta")}}
+    if kind in ("llama3", "yarn") and original is not None:
+        out["original_max_position_embeddings"] = int(original)
+    return out
 
 
 def _unsupported_rope(path: str, kind: str) -> NoReturn:
@@ -86,7 +91,7 @@ def config_from_hf(path: str, d: dict[str, Any]) -> tuple[Architecture, ModelCon
     if partial != 1.0 and not arch.partial_rotary:
         raise ModelLoadError(path, "partial rotary embeddings are not supported")
     theta = float(params.get("rope_theta", d.get("rope_theta", 10000.0)))
-    scaling = _check_rope(path, d.get("rope_scaling") or params or None)
+    scaling = _check_rope(path, d.get("rope_scaling") or params or None, d.get("original_max_position_embeddings"))
 
     hidden = int(need("hidden_size"))
     heads = int(need("num_attention_heads"))
@@ -290,13 +295,7 @@ def config_from_gguf(
             path, f"GGUF metadata gives no vocabulary size ({a}.vocab_size or tokens)"
         )
 
-    kind = str(get("rope.scaling.type", "none"))
-    factor = get("rope.scaling.factor", get("rope.scale_linear"))
-    scaling: dict[str, Any] | None = None
-    if kind == "linear" or (kind == "none" and factor not in (None, 1.0)):
-        scaling = {"rope_type": "linear", "factor": float(factor if factor is not None else 1.0)}
-    elif kind != "none":
-        _unsupported_rope(path, kind)
+    scaling = _gguf_rope_scaling(path, a, get, rope_freq_factors)
 
     if get("attn_logit_softcapping") is not None:
         raise ModelLoadError(path, "attention logit soft-capping is not supported")
@@ -341,6 +340,38 @@ def config_from_gguf(
         **_gguf_linear_attention(path, a, get, layers),
     )
     return arch, cfg
+
+
+def _gguf_rope_scaling(path: str, a: str, get: Any, freq_factors: list[float] | None) -> dict[str, Any] | None:
+    """`{arch}.rope.scaling.*` as the HF-style dict inverse_frequencies reads: linear (also the
+    old `.rope.scale_linear`), or yarn with the keys llama.cpp's converter writes (factor,
+    original_context_length, yarn_beta_fast/slow, yarn_attn_factor = HF's attention_factor).
+    Llama 3's scaling comes as the rope_freqs tensor instead; GGUF has no dynamic kind."""
+    kind = str(get("rope.scaling.type", "none"))
+    factor = get("rope.scaling.factor", get("rope.scale_linear"))
+    if kind == "linear" or (kind == "none" and factor not in (None, 1.0)):
+        return {"rope_type": "linear", "factor": float(factor if factor is not None else 1.0)}
+    if kind == "none":
+        return None
+    if kind != "yarn":
+        _unsupported_rope(path, kind)
+    if factor is None:
+        raise ModelLoadError(path, f"rope scaling 'yarn' lacks {a}.rope.scaling.factor")
+    if freq_factors is not None:
+        raise ModelLoadError(path, "rope scaling 'yarn' with a rope_freqs tensor is not supported")
+    for key, plain in (("yarn_ext_factor", 1.0), ("yarn_log_multiplier", 0.0)):
+        if get(f"rope.scaling.{key}") not in (None, plain):
+            raise ModelLoadError(path, f"{a}.rope.scaling.{key} {get(f'rope.scaling.{key}')} is not "
+                                       f"supported (only {plain})")
+    out: dict[str, Any] = {"rope_type": "yarn", "factor": float(factor)}
+    original = get("rope.scaling.original_context_length")
+    if original:
+        out["original_max_position_embeddings"] = int(original)
+    for key, name in (("yarn_beta_fast", "beta_fast"), ("yarn_beta_slow", "beta_slow"),
+                      ("yarn_attn_factor", "attention_factor")):
+        if get(f"rope.scaling.{key}") is not None:
+            out[name] = float(get(f"rope.scaling.{key}"))
+    return _check_rope(path, out)
 
 
 def _gguf_linear_attention(path: str, a: str, get: Any, layers: int) -> dict[str, Any]:

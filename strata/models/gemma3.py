@@ -32,7 +32,7 @@ from strata.models.architecture import Architecture
 from strata.models.base import ModelConfig
 from strata.models.dense import MLP
 from strata.models.layers import Attention, DecoderModel, RMSNorm
-from strata.models.rope import inverse_frequencies, rope_tables
+from strata.models.rope import config_tables
 from strata.models.window import WindowStep, window_state_shapes
 
 
@@ -108,8 +108,8 @@ class Gemma3Model(DecoderModel):
         cfg = self.config
         local = dataclasses.replace(cfg, rope_theta=cfg.rope_local_theta or cfg.rope_theta,
                                     rope_scaling=None, rope_freq_factors=None)
-        g_cos, g_sin = rope_tables(inverse_frequencies(cfg), n, dtype, device)
-        l_cos, l_sin = rope_tables(inverse_frequencies(local), n, dtype, device)
+        g_cos, g_sin = config_tables(cfg, n, dtype, device)
+        l_cos, l_sin = config_tables(local, n, dtype, device)
         return torch.stack((g_cos, l_cos), dim=1), torch.stack((g_sin, l_sin), dim=1)
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:

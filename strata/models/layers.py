@@ -23,7 +23,7 @@ from strata.models.base import ModelConfig
 from strata.models.blocks import BlockLinear
 from strata.models.dense import MLP, Linear, stable_linear
 from strata.models.moe import SparseMLP
-from strata.models.rope import apply_rope, inverse_frequencies, rope_tables
+from strata.models.rope import apply_rope, config_tables
 
 
 class RMSNorm(nn.Module):
@@ -231,7 +231,7 @@ class DecoderModel(nn.Module):
     def rope_for(self, n: int, device: torch.device, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """RoPE tables (cos, sin) of positions 0..n-1 on `device`: what a stage on another device
         than the embedding passes to `run_layers`."""
-        return rope_tables(inverse_frequencies(self.config), n, dtype, device)
+        return config_tables(self.config, n, dtype, device)
 
     # The three seams a layer split stands on: the first stage embeds, every stage runs its
     # layer range, the last one finishes with the head. `forward` is the three on one device.

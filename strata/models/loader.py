@@ -34,6 +34,7 @@ from strata.models.generation_defaults import (
 from strata.models.layers import DecoderModel
 from strata.models.naming import Part, gguf_parts, hf_parts
 from strata.models.quantize import quantize_weights, resolve_weight_mode
+from strata.models.rope import trained_context
 from strata.models.sources import GGUFSource, SafetensorsSource, WeightSource
 from strata.tokenizer import Tokenizer
 
@@ -159,7 +160,7 @@ def load_model(
         install_blocks(model, source, parts_of, placement, dt)
     _fill(model, source, parts_of, path, placement, dt, progress)
     model.requires_grad_(False).eval()
-    model.set_max_positions(cfg.max_position_embeddings)
+    model.set_max_positions(trained_context(cfg))  # a yarn or dynamic model's stretched length
     identity = source.identity()
     if mode in ("int8", "int4"):
         quantize_weights(model, mode, dt)

@@ -48,7 +48,11 @@ class GGUFSource:
     """Tensors of a GGUF file, dequantized by `strata.gguf` on the target device."""
 
     def __init__(self, path: str) -> None:
-        from strata.gguf import FOREIGN_TYPES, SUPPORTED_TYPES, GGUFFile  # only GGUF loads pay for the reader
+        from strata.gguf import (  # only GGUF loads pay for the reader
+            FOREIGN_TYPES,
+            SUPPORTED_TYPES,
+            GGUFFile,
+        )
 
         self.path = path
         self.file = GGUFFile(path)

@@ -22,7 +22,14 @@ from strata.engine.types import SamplingParams
     ({"max_context": 32, "kv_pool_tokens": 64}, 32),
 ])
 def test_chunk_choice(kw: dict, chunk: int) -> None:
-    assert pool_chunk_size(EngineConfig(**kw)) == chunk
+    """Chunk sizes of a resolved --max-context (4096 where a case leaves it out)."""
+    assert pool_chunk_size(EngineConfig(**{"max_context": 4096, **kw})) == chunk
+
+
+def test_chunk_choice_needs_a_resolved_context() -> None:
+    """-c 0 means the model's trained context: the engine resolves it before sizing chunks."""
+    with pytest.raises(ValueError, match="resolved --max-context"):
+        pool_chunk_size(EngineConfig(parallel=4))
 
 
 def test_every_lane_of_a_small_pool_runs_and_startup_says_what_it_holds(tiny_loaded, caplog) -> None:

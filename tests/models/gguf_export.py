@@ -198,6 +198,19 @@ def _add_gemma3(w: GGUFWriter, cfg) -> None:
         w.add_final_logit_softcapping(cfg.final_logit_softcapping)
 
 
+def _add_yarn(w: GGUFWriter, rope: dict) -> None:
+    """YaRN's keys as llama.cpp's converter writes them: the optional ones only when given."""
+    w.add_rope_scaling_type(RopeScalingType.YARN)
+    w.add_rope_scaling_factor(rope["factor"])
+    w.add_rope_scaling_orig_ctx_len(rope["original_max_position_embeddings"])
+    if rope.get("attention_factor") is not None:
+        w.add_rope_scaling_yarn_attn_factor(rope["attention_factor"])
+    if rope.get("beta_fast") is not None:
+        w.add_rope_scaling_yarn_beta_fast(rope["beta_fast"])
+    if rope.get("beta_slow") is not None:
+        w.add_rope_scaling_yarn_beta_slow(rope["beta_slow"])
+
+
 def copy_tokenizer(w: GGUFWriter, path: str) -> None:
     """Every `tokenizer.*` entry of another GGUF, except the BOS and EOS ids the writer sets."""
     from gguf import GGUFReader, GGUFValueType
@@ -259,6 +272,8 @@ def write_gguf(
     elif rope.get("rope_type") == "linear":
         w.add_rope_scaling_type(RopeScalingType.LINEAR)
         w.add_rope_scaling_factor(rope["factor"])
+    elif rope.get("rope_type") == "yarn":
+        _add_yarn(w, rope)
     tied = cfg.tie_word_embeddings
     for name, data in _tensors(model, arch, legacy):
         if tied and name == "output.weight":

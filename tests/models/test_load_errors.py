@@ -62,8 +62,10 @@ def test_unsupported_architecture_in_gguf(tmp_path) -> None:
 
 def test_unsupported_rope_scaling(tmp_path) -> None:
     save_tiny("llama_plain", tmp_path)
-    edit_config(tmp_path, rope_parameters={"rope_type": "yarn", "factor": 4.0, "rope_theta": 1e4})
-    assert "rope scaling 'yarn' is not supported" in load_error(tmp_path).problem
+    edit_config(tmp_path, rope_parameters={"rope_type": "longrope", "rope_theta": 1e4, "short_factor": [1.0] * 8,
+                                           "long_factor": [2.0] * 8, "original_max_position_embeddings": 64})
+    problem = load_error(tmp_path).problem
+    assert "rope scaling 'longrope' is not supported (supported: linear, llama3, yarn, dynamic)" in problem
 
 
 def test_foreign_quantization_loads_with_a_warning(tmp_path, caplog) -> None:

@@ -97,8 +97,13 @@ PROMPT = [1, 17, 200, 33, 5, 90, 91, 255, 4, 64, 128, 7, 7, 42, 100, 3, 250, 12,
 
 
 def tiny_hf_model(kind: str, seed: int = 0) -> torch.nn.Module:
+    return tiny_hf_from_config(CONFIGS[kind](), seed)
+
+
+def tiny_hf_from_config(config: Any, seed: int = 0) -> torch.nn.Module:
+    """A random model of `config` with the weights drawn as the module docstring says."""
     torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_config(CONFIGS[kind](), dtype=torch.float32)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     with torch.no_grad():
         for name, p in model.named_parameters():
             if "norm" in name:

@@ -232,9 +232,11 @@ class FakeGrammars:
 class FakeEngine:
     """Implements generate/stats/close/tokenizer/config/model_name like strata.engine.Engine."""
 
-    def __init__(self, max_context: int = 256, lanes: int = 2) -> None:
-        self._max_context = max_context
-        self.config = EngineConfig(max_context=max_context, parallel=lanes)
+    TRAINED = 256  # the fake model's trained context: what -c 0 (the default) resolves to
+
+    def __init__(self, max_context: int = TRAINED, lanes: int = 2) -> None:
+        self._max_context = max_context or self.TRAINED  # as Engine resolves --max-context 0
+        self.config = EngineConfig(max_context=self._max_context, parallel=lanes)
         self.model_name = "fake-model"
         self.tokenizer = FakeTokenizer()
         self.loaded = SimpleNamespace(sampling=ModelSampling())  # what the model's files recommend
