@@ -153,6 +153,7 @@ def build_app(
     keepalive_s: float = 5.0,
     chat_page: bool = True,
     sampling: SamplingDefaults | None = None,
+    slots_listed: bool = True,
 ) -> FastAPI:
     """The HTTP app over `engine`; None means "loading" until attach_engine().
 
@@ -163,13 +164,15 @@ def build_app(
     `keepalive_s`: a stream the engine has said nothing on for this long (queued,
     or reading a long prompt) gets a keep-alive line. `chat_page`: the browser page at `/`
     (off with `--no-webui`). `sampling`: the defaults a request's unset sampling fields take
-    (Strata's base when None).
+    (Strata's base when None). `slots_listed`: GET /slots answers (off with `--no-slots`; the
+    save, restore and erase actions stay).
     """
     if api_key is not None and not api_key.strip():
         raise ValueError("an empty API key would turn authentication off; pass None for no key")
     name = model_name or (getattr(engine, "model_name", None) if engine is not None else None) or "strata"
     state = ServeState(engine=engine, model_name=name, api_key=api_key, session_dir=session_dir,
-                       keepalive_s=keepalive_s, sampling=sampling or SamplingDefaults())
+                       keepalive_s=keepalive_s, sampling=sampling or SamplingDefaults(),
+                       slots_listed=slots_listed)
     app = FastAPI(title="Strata", version=strata.__version__, docs_url=None, redoc_url=None,
                   openapi_url=None)
     app.state.strata = state

@@ -31,7 +31,9 @@ GRACEFUL_SHUTDOWN_S = 5
 def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     """Declare the server's own flags (engine flags come from add_engine_arguments)."""
     g = parser.add_argument_group("server")
-    g.add_argument("--host", default="127.0.0.1", help="address to bind (default: 127.0.0.1)")
+    g.add_argument("--host", default="127.0.0.1",
+                   help="address to bind (default: 127.0.0.1); a path ending in .sock binds that unix "
+                        "socket instead, as llama-server does")
     g.add_argument("--port", type=int, default=8080, help="port to bind (default: 8080)")
     g.add_argument("--api-key", default=text("STRATA_API_KEY"),
                    help="require 'Authorization: Bearer KEY' or 'x-api-key: KEY' (default: $STRATA_API_KEY)")
@@ -41,6 +43,10 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--sse-keepalive", type=float, default=5.0, metavar="SECONDS",
                    help="send a keep-alive on a stream the engine has been silent on this long "
                         "(queued, or reading a long prompt); default: 5")
+    g.add_argument("--no-slots", dest="slots", action="store_false",
+                   help="GET /slots answers 501 (llama-server's flag); the slot actions stay")
+    g.add_argument("--slots", dest="slots", action="store_true", default=True,
+                   help="GET /slots lists the lanes (the default)")
     g.add_argument("--no-webui", dest="webui", action="store_false",
                    help="do not serve the chat page at / (llama-server's spelling); the API is unchanged")
     g.add_argument("--log-level", default="info", choices=LOG_LEVELS, help="log verbosity")
@@ -80,14 +86,16 @@ def run_server(args: argparse.Namespace) -> int:
     if problem is not None:
         log.error("strata serve: %s", problem)
         return 2
-    warning = bind_warning(args.host, args.api_key)
+    uds = args.host if args.host.endswith(".sock") else None
+    warning = None if uds else bind_warning(args.host, args.api_key)
+    where = f"unix socket {uds}" if uds else f"http://{args.host}:{args.port}"
     if warning is not None:
         log.warning("%s", warning)
     config = config_from_args(args)
     alias = getattr(args, "served_model_name", None)
     app = build_app(None, api_key=args.api_key, model_name=alias or _model_label(config.model),
                     session_dir=config.session_dir, cors_origins=getattr(args, "cors_origin", None),
-                    keepalive_s=args.sse_keepalive, chat_page=args.webui)
+                    keepalive_s=args.sse_keepalive, chat_page=args.webui, slots_listed=args.slots)
     holder: dict[str, Any] = {}
     lock = threading.Lock()
 
@@ -98,7 +106,7 @@ def run_server(args: argparse.Namespace) -> int:
             engine.cancel_all()
 
     server = _make_server(uvicorn.Config(
-        app, host=args.host, port=args.port, log_level=args.log_level, access_log=False,
+        app, host=args.host, port=args.port, uds=uds, log_level=args.log_level, access_log=False,
         timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S, log_config=None,
     ), stopping)
 
@@ -118,12 +126,12 @@ def run_server(args: argparse.Namespace) -> int:
             holder["engine"] = engine
             sampling = defaults_from_args(args, engine.loaded.sampling)
             attach_engine(app, engine, model_name=alias, sampling=sampling)
-        log.info("loaded %s; serving on http://%s:%d", engine.summary(), args.host, args.port)
+        log.info("loaded %s; serving on %s", engine.summary(), where)
         log.info("%s", sampling.describe())
 
     loader = threading.Thread(target=load, name="strata-load", daemon=True)
     loader.start()
-    log.info("strata serve: binding http://%s:%d (model loading)", args.host, args.port)
+    log.info("strata serve: binding %s (model loading)", where)
     try:
         with _signals_end_quietly():
             server.run()

@@ -133,7 +133,11 @@ def lane_table(engine: Any) -> list[dict[str, Any]]:
 
 @router.get("/slots")
 async def list_slots(request: Request) -> JSONResponse:
-    engine = serve_state(request).ready_engine()
+    state = serve_state(request)
+    if not state.slots_listed:  # llama-server's answer under --no-slots
+        raise ApiError(501, "This server does not support slots endpoint (started with --no-slots)",
+                       code="not_supported")
+    engine = state.ready_engine()
     return JSONResponse(lane_table(engine))
 
 

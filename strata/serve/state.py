@@ -28,6 +28,7 @@ class ServeState:
     session_dir: str | None = None  # the engine's --session-dir (the engine enforces it)
     load_error: str | None = None
     keepalive_s: float = 5.0  # a stream silent this long gets a keep-alive (a long prompt read)
+    slots_listed: bool = True  # GET /slots answers (llama-server's --no-slots turns it off)
     sampling: SamplingDefaults = field(default_factory=SamplingDefaults)  # for unset sampling fields
     started: float = field(default_factory=time.time)
     metrics: ServeMetrics = field(init=False)
