@@ -166,17 +166,20 @@ def batch_company(engine: Engine, sizes: list[int], prompt_tokens: int, gen_toke
     return out
 
 
-def _decode_step(engine: Engine, lanes: int, position: int) -> tuple[list[SeqSpec], list[int], list[bool]]:
-    """One decode step of `lanes` lanes at `position` (reserving their chunks; the engine is idle)."""
+def _decode_step(engine: Engine, lanes: int, position: int,
+                 rows: int = 1) -> tuple[list[SeqSpec], list[int], list[int]]:
+    """One decode step of `lanes` lanes at `position`, each feeding `rows` tokens with logits for
+    all of them (above 1: a verified draft; reserving their chunks; the engine is idle)."""
     for i in range(lanes):
-        assert engine.pool.reserve(i, position + 1), "pool too small for the profiled step"
-    seqs = [SeqSpec(i, position, 1) for i in range(lanes)]
-    return seqs, [100 + i for i in range(lanes)], [True] * lanes
+        assert engine.pool.reserve(i, position + rows), "pool too small for the profiled step"
+    seqs = [SeqSpec(i, position, rows) for i in range(lanes)]
+    return seqs, [100 + i for i in range(lanes) for _ in range(rows)], [rows] * lanes
 
 
-def step_timing(engine: Engine, lanes: int, position: int, reps: int = 20) -> dict:
-    """Wall time of the runner's forward for one decode step, synchronized (no sampling, no engine)."""
-    seqs, toks, sample = _decode_step(engine, lanes, position)
+def step_timing(engine: Engine, lanes: int, position: int, reps: int = 20, rows: int = 1) -> dict:
+    """Wall time of the runner's forward for one decode step of `rows` rows a lane, synchronized
+    (no sampling, no engine)."""
+    seqs, toks, sample = _decode_step(engine, lanes, position, rows)
     for _ in range(3):
         engine.runner.forward(seqs, toks, sample)
     _sync(engine)
@@ -185,7 +188,8 @@ def step_timing(engine: Engine, lanes: int, position: int, reps: int = 20) -> di
         engine.runner.forward(seqs, toks, sample)
     _sync(engine)
     ms = (time.perf_counter() - t0) / reps * 1e3
-    return {"lanes": lanes, "position": position, "forward_ms": ms, "forward_tokens_per_s": lanes / ms * 1e3}
+    return {"lanes": lanes, "position": position, "rows_per_lane": rows, "forward_ms": ms,
+            "forward_tokens_per_s": lanes * rows / ms * 1e3}
 
 
 def profile_step(engine: Engine, lanes: int, position: int, reps: int = 5) -> tuple[dict, str]:
