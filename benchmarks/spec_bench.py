@@ -11,7 +11,10 @@ then the answer with another, or quote a tool's output back and summarise it; (b
 stories and explanations with nothing to copy. Every request is rendered with the model's chat
 template and sent to `Engine` directly; one model load, one engine per configuration and lane
 count (so no configuration drafts from another's finished conversations). Greedy unless said;
-the agent workload also runs sampled (temperature 0.7, seeded) for `--sampled-specs`.
+the agent workload also runs sampled (temperature 0.7, seeded) for `--sampled-specs`. Above one
+lane the configurations are `--multi-lane-specs` (a CPU step of 8 decode rows takes no drafts, so
+there the runs check that nothing is lost). `--proposers` picks which proposers draft: the suffix
+proposer, a draft model (`--spec-model FILE`, loaded once and shared), or both.
 
 Each run reports `tokens_per_s` (every generated token over the run's wall time, prompt reads
 included: at 16 lanes the throughput of all of them) and `lane_decode_tokens_per_s` (tokens after
@@ -36,6 +39,7 @@ import os
 import sys
 import tempfile
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -52,16 +56,18 @@ from benchmarks.spec_replay import (
 )
 from benchmarks.spec_verify import regenerate, verify_costs
 from benchmarks.spec_workloads import Conversation, agent_conversations, open_conversations, sources
-from strata.engine.config import EngineConfig, spec_arg
+from strata.engine.config import EngineConfig, probability_arg, spec_arg
 from strata.engine.engine import Engine
 from strata.engine.types import SamplingParams
 
 Spec = tuple[str, int]  # the flag's spelling and the draft count it means
-FULL = {"specs": "off,2,4,8,auto", "lanes": "1,16", "max_tokens": 256, "file_tokens": 500,
-        "conversations": 5, "open": 4, "sampled_specs": "off,auto",
+FULL = {"specs": "off,2,4,8,auto", "multi_lane_specs": "off,auto", "lanes": "1,16", "max_tokens": 256,
+        "file_tokens": 500, "conversations": 4, "open": 3, "sampled_specs": "off,auto",
         "llama_spec": "none,ngram-simple,ngram-mod"}
-QUICK = {"specs": "off,auto", "lanes": "1,4", "max_tokens": 64, "file_tokens": 300,
-         "conversations": 2, "open": 2, "sampled_specs": "off,auto", "llama_spec": "none,ngram-simple"}
+QUICK = {"specs": "off,auto", "multi_lane_specs": "off,auto", "lanes": "1,4", "max_tokens": 64,
+         "file_tokens": 300, "conversations": 2, "open": 2, "sampled_specs": "off,auto",
+         "llama_spec": "none,ngram-simple"}
+PROPOSERS = ("suffix", "draft_model", "suffix+draft_model")
 LLAMA_SPEC_TYPES = ("none", "ngram-simple", "ngram-map-k", "ngram-map-k4v", "ngram-mod", "ngram-cache")
 SAMPLED_TEMPERATURE = 0.7
 
@@ -78,6 +84,13 @@ def count_list(text: str) -> list[int]:
     if not all(s.isdigit() and int(s) > 0 for s in text.split(",")):
         raise argparse.ArgumentTypeError(f"positive counts separated by commas, not {text!r}")
     return [int(s) for s in text.split(",")]
+
+
+def proposer_list(text: str) -> list[str]:
+    bad = [t for t in text.split(",") if t not in PROPOSERS]
+    if bad:
+        raise argparse.ArgumentTypeError(f"choose from {', '.join(PROPOSERS)}, not {bad[0]!r}")
+    return text.split(",")
 
 
 def llama_types(text: str) -> list[str]:
@@ -97,7 +110,15 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--tokenizer-from", default=None, metavar="GGUF",
                    help="with --synth: the GGUF whose tokenizer it gets (default: the embedded model)")
     p.add_argument("--specs", type=spec_list, default=None, help=f"--spec values to run (default {FULL['specs']})")
-    p.add_argument("--spec-min-p", type=float, default=0.0)
+    p.add_argument("--multi-lane-specs", type=spec_list, default=None,
+                   help=f"--spec values at lane counts above 1 (default {FULL['multi_lane_specs']}: on the CPU "
+                        "a step of 8 decode rows takes no drafts, so 16 lanes check only that nothing is lost)")
+    p.add_argument("--spec-min-p", type=probability_arg, default=0.0)
+    p.add_argument("--proposers", type=proposer_list, default=["suffix"],
+                   help=f"which proposers draft in each spec run, from {', '.join(PROPOSERS)} (default "
+                        "suffix; draft_model needs --spec-model)")
+    p.add_argument("--spec-model", default=None, metavar="FILE",
+                   help="the draft model (a small model with the same tokenizer), loaded once")
     p.add_argument("--lanes", type=count_list, default=None, help=f"lane counts (default {FULL['lanes']})")
     p.add_argument("--max-tokens", type=int, default=None, help=f"per request (default {FULL['max_tokens']})")
     p.add_argument("--file-tokens", type=int, default=None,
@@ -121,7 +142,7 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--position", type=int, default=512, help="--verify-cost: the context of the timed steps")
     p.add_argument("--verify-drafts", type=count_list, default=None,
                    help="--verify-cost: the draft counts k of the timed steps (default 1..8; 0 always)")
-    p.add_argument("--reps", type=int, default=20, help="--verify-cost: forwards timed per figure")
+    p.add_argument("--reps", type=int, default=10, help="--verify-cost: forwards timed per figure")
     p.add_argument("--quick", action="store_true", help="a smoke run: " + ", ".join(
         f"{k.replace('_', '-')} {v}" for k, v in QUICK.items()) + " (flags given still win)")
     p.add_argument("--out", default=None)
@@ -129,17 +150,38 @@ def parser() -> argparse.ArgumentParser:
 
 
 def resolve(args: argparse.Namespace) -> argparse.Namespace:
-    """The flags left unset take --quick's or the full run's values."""
+    """The flags left unset take --quick's or the full run's values; a draft model named or used
+    without the other."""
+    if any("draft_model" in p for p in args.proposers) != (args.spec_model is not None):
+        parser().error("--spec-model and a draft_model entry in --proposers go together")
     chosen = QUICK if args.quick else FULL
-    convert = {"specs": spec_list, "sampled_specs": spec_list, "lanes": count_list, "llama_spec": llama_types}
+    convert = {"specs": spec_list, "multi_lane_specs": spec_list, "sampled_specs": spec_list,
+               "lanes": count_list, "llama_spec": llama_types}
     for key, value in chosen.items():
         if getattr(args, key) is None:
             setattr(args, key, convert[key](value) if key in convert else value)
     return args
 
 
-def load(args: argparse.Namespace) -> tuple[Any, str]:
-    """The model every engine shares, and its file (llama-server's too)."""
+@dataclass(frozen=True)
+class Models:
+    """The model every engine shares, its file (llama-server's too), and any draft model."""
+
+    loaded: Any
+    path: str
+    draft: Any = None
+
+
+@dataclass(frozen=True)
+class Run:
+    """One configuration: the --spec spelling, its draft count, the proposers that draft."""
+
+    spec: str
+    drafts: int
+    proposers: str = ""  # "" when off; else suffix, draft_model or suffix+draft_model
+
+
+def load(args: argparse.Namespace) -> Models:
     from strata.default_model import default_model_path
     from strata.models import load_model
 
@@ -153,24 +195,36 @@ def load(args: argparse.Namespace) -> tuple[Any, str]:
     path = path or str(default_model_path())
     loaded = load_model(path, args.device, "auto", progress=False, weights=args.weights)
     attach_tokenizer(loaded)
-    return loaded, path
+    draft = None
+    if args.spec_model:
+        draft = load_model(args.spec_model, args.device, "auto", progress=False, weights=args.weights)
+        attach_tokenizer(draft)
+    return Models(loaded, path, draft)
 
 
-def engine_config(args: argparse.Namespace, lanes: int, drafts: int) -> EngineConfig:
+def engine_config(args: argparse.Namespace, lanes: int, drafts: int, suffix: bool = True) -> EngineConfig:
     return EngineConfig(device=args.device, parallel=lanes, max_context=args.max_context,
                         threads=args.threads, max_queued=4 * lanes, spec=drafts,
-                        spec_min_p=args.spec_min_p, suffix_draft=True)
+                        spec_min_p=args.spec_min_p, suffix_draft=suffix)
 
 
-def distinct(specs: list[Spec]) -> tuple[list[Spec], dict[str, str]]:
-    """Specs with distinct draft counts, off first; the spellings that repeat another's count."""
-    runs: dict[int, str] = {0: "off"}
+def open_engine(models: Models, args: argparse.Namespace, lanes: int, run: Run) -> Engine:
+    cfg = engine_config(args, lanes, run.drafts, suffix="suffix" in run.proposers)
+    draft = models.draft if "draft_model" in run.proposers else None
+    return Engine(cfg, loaded=models.loaded, spec_model=draft)
+
+
+def runs_of(specs: list[Spec], proposers: list[str]) -> tuple[list[Run], dict[str, str]]:
+    """Off first, then each distinct draft count with each proposer set; the spellings that
+    repeat another's count (auto = 4 today) are named instead of run again."""
+    counts: dict[int, str] = {0: "off"}
     same: dict[str, str] = {}
     for label, n in specs:
-        if n in runs and runs[n] != label:
-            same[label] = runs[n]
-        runs.setdefault(n, label)
-    return [(label, n) for n, label in runs.items()], same
+        if n in counts and counts[n] != label:
+            same[label] = counts[n]
+        counts.setdefault(n, label)
+    runs = [Run("off", 0)] + [Run(label, n, p) for n, label in counts.items() if n for p in proposers]
+    return runs, same
 
 
 def _with_ratios(row: dict[str, Any], ref: dict[str, Any]) -> dict[str, Any]:
@@ -179,24 +233,26 @@ def _with_ratios(row: dict[str, Any], ref: dict[str, Any]) -> dict[str, Any]:
     return row
 
 
-def workload_runs(loaded: Any, args: argparse.Namespace, name: str, convs: list[Conversation], lanes: int,
+def workload_runs(models: Models, args: argparse.Namespace, name: str, convs: list[Conversation], lanes: int,
                   specs: list[Spec], temperature: float) -> list[dict[str, Any]]:
-    """One workload at one lane count under each spec (off first): figures, ratios, exactness."""
-    runs, same = distinct(specs)
-    rows, ref, ref_out = [], None, None
-    for label, n in runs:
-        with Engine(engine_config(args, lanes, n), loaded=loaded) as engine:
+    """One workload at one lane count under each configuration (off first): figures, ratios and
+    whether every answer equals off's."""
+    runs, same = runs_of(specs, args.proposers)
+    rows: list[dict[str, Any]] = []
+    ref: dict[str, Any] = {}
+    for run in runs:
+        with open_engine(models, args, lanes, run) as engine:
             records, wall = replay(convs, lanes, engine_sender(engine, args.max_tokens, temperature),
                                    engine.tokenizer)
             stats = engine.stats()
-        row = {"workload": name, "temperature": temperature, "lanes": lanes, "spec": label, "drafts": n,
+        row = {"workload": name, "temperature": temperature, "lanes": lanes, **dataclasses.asdict(run),
                **summarise(records, wall), "steps": stats["steps"], "speculation": stats["speculation"]}
         got = outputs(records)
-        if ref is None:
-            ref, ref_out = row, got
+        if not ref:
+            ref = row
             row["outputs"] = got
         else:
-            check = compare(got, ref_out or {})
+            check = compare(got, ref["outputs"])
             row.update(identical=check["identical"], first_difference=check["first_difference"])
         rows.append(_with_ratios(row, ref))
         print(json.dumps({k: v for k, v in row.items() if k != "outputs"}), file=sys.stderr, flush=True)
@@ -205,30 +261,31 @@ def workload_runs(loaded: Any, args: argparse.Namespace, name: str, convs: list[
     return rows
 
 
-def strata_runs(loaded: Any, args: argparse.Namespace) -> list[dict[str, Any]]:
+def strata_runs(models: Models, args: argparse.Namespace) -> list[dict[str, Any]]:
     """Both workloads greedy at every lane count, and the agent workload sampled at the first."""
-    count = lambda text: len(loaded.tokenizer.encode(text))  # noqa: E731
+    count = lambda text: len(models.loaded.tokenizer.encode(text))  # noqa: E731
     rows: list[dict[str, Any]] = []
     for lanes in args.lanes:
+        specs = args.specs if lanes == 1 else args.multi_lane_specs
         agent = agent_conversations(max(args.conversations, lanes), count, args.file_tokens)
-        rows += workload_runs(loaded, args, "agent", agent, lanes, args.specs, 0.0)
-        rows += workload_runs(loaded, args, "open", open_conversations(max(args.open, lanes)), lanes,
-                              args.specs, 0.0)
+        rows += workload_runs(models, args, "agent", agent, lanes, specs, 0.0)
+        rows += workload_runs(models, args, "open", open_conversations(max(args.open, lanes)), lanes, specs, 0.0)
     if args.sampled_specs:
         lanes = args.lanes[0]
         agent = agent_conversations(max(args.conversations, lanes), count, args.file_tokens)
-        rows += workload_runs(loaded, args, "agent", agent, lanes, args.sampled_specs, SAMPLED_TEMPERATURE)
-    one_lane = {r["workload"]: r["outputs"] for r in rows
-                if "outputs" in r and r["lanes"] == args.lanes[0] and r["temperature"] == 0.0}
-    for r in rows:  # spec off among more lanes against spec off alone: does company change answers?
+        rows += workload_runs(models, args, "agent", agent, lanes, args.sampled_specs, SAMPLED_TEMPERATURE)
+    first = {r["workload"]: r["outputs"] for r in rows
+             if "outputs" in r and r["lanes"] == args.lanes[0] and r["temperature"] == 0.0}
+    for r in rows:  # spec off among more lanes against spec off at the first count: does company matter?
         if "outputs" in r and r["lanes"] != args.lanes[0] and r["temperature"] == 0.0:
-            r["identical_to_one_lane"] = compare(r["outputs"], one_lane[r["workload"]])["identical"]
+            r["identical_to_first_lane_count"] = compare(r["outputs"], first[r["workload"]])["identical"]
     return rows
 
 
-def llama_runs(loaded: Any, path: str, args: argparse.Namespace) -> list[dict[str, Any]]:
+def llama_runs(models: Models, args: argparse.Namespace) -> list[dict[str, Any]]:
     """The same conversations through llama-server, greedy, per --spec-type and lane count."""
-    count = lambda text: len(loaded.tokenizer.encode(text))  # noqa: E731
+    tokenizer = models.loaded.tokenizer
+    count = lambda text: len(tokenizer.encode(text))  # noqa: E731
     rows = []
     for lanes in args.llama_lanes:
         workloads = {"agent": agent_conversations(max(args.conversations, lanes), count, args.file_tokens),
@@ -236,11 +293,10 @@ def llama_runs(loaded: Any, path: str, args: argparse.Namespace) -> list[dict[st
         refs: dict[str, tuple[dict, dict]] = {}
         for spec_type in args.llama_spec:
             extra = args.llama_args.split() + (["--spec-type", spec_type] if spec_type != "none" else [])
-            with LlamaServer(args.llama_server, path, args.max_context, extra, lanes=lanes,
+            with LlamaServer(args.llama_server, models.path, args.max_context, extra, lanes=lanes,
                              threads=args.threads) as server:
                 for name, convs in workloads.items():
-                    records, wall = replay(convs, lanes, llama_sender(server.url, args.max_tokens),
-                                           loaded.tokenizer)
+                    records, wall = replay(convs, lanes, llama_sender(server.url, args.max_tokens), tokenizer)
                     row = {"workload": name, "lanes": lanes, "spec_type": spec_type,
                            **summarise(records, wall), **llama_figures(records)}
                     if name not in refs:
@@ -271,27 +327,27 @@ def versus_llama(strata: list[dict[str, Any]], llama: list[dict[str, Any]]) -> l
     return out
 
 
-def verify_mode(loaded: Any, args: argparse.Namespace) -> dict[str, Any]:
-    """--verify-cost: forward cost by draft count, then the regenerate under each spec."""
+def verify_mode(models: Models, args: argparse.Namespace) -> dict[str, Any]:
+    """--verify-cost: forward cost by draft count, then the regenerate under each configuration."""
     drafts = [0, *(args.verify_drafts or range(1, 9))]
-    cfg = dataclasses.replace(engine_config(args, max(args.lanes), 0),
+    cfg = dataclasses.replace(engine_config(args, max(args.lanes), max(drafts)),  # graphs sized for the rows
                               max_context=max(args.max_context, args.position + max(drafts) + 64))
-    with Engine(cfg, loaded=loaded) as engine:
+    with Engine(cfg, loaded=models.loaded) as engine:
         costs = verify_costs(engine, args.lanes, drafts, args.position, args.reps)
     rows = []
-    runs, _ = distinct(args.specs)
     for lanes in args.lanes:
+        runs, _ = runs_of(args.specs if lanes == 1 else args.multi_lane_specs, args.proposers)
         convs = open_conversations(max(args.open, lanes))
-        ref = None
-        for label, n in runs:
-            with Engine(engine_config(args, lanes, n), loaded=loaded) as engine:
-                row = {"lanes": lanes, "spec": label, "drafts": n, **regenerate(engine, convs, lanes, args.max_tokens)}
+        ref: dict[str, Any] = {}
+        for run in runs:
+            with open_engine(models, args, lanes, run) as engine:
+                row = {"lanes": lanes, **dataclasses.asdict(run), **regenerate(engine, convs, lanes, args.max_tokens)}
             got = row.pop("outputs")
-            if ref is None:
-                ref = (row, got)
+            if not ref:
+                ref = {**row, "outputs": got}
             else:
-                row["identical"] = compare(got, ref[1])["identical"]
-            rows.append(_with_ratios(row, ref[0]))
+                row["identical"] = compare(got, ref["outputs"])["identical"]
+            rows.append(_with_ratios(row, ref))
             print(json.dumps(row), file=sys.stderr, flush=True)
     return {"verify_cost": costs, "regenerate": rows}
 
@@ -299,25 +355,25 @@ def verify_mode(loaded: Any, args: argparse.Namespace) -> dict[str, Any]:
 def main(argv: list[str] | None = None) -> int:
     args = resolve(parser().parse_args(argv))
     t0 = time.perf_counter()
-    loaded, path = load(args)
-    out: dict[str, Any] = {"model": path, "device": args.device, "threads": args.threads,
-                           "max_tokens": args.max_tokens, "load_average_start": os.getloadavg()}
+    models = load(args)
+    out: dict[str, Any] = {"model": models.path, "spec_model": args.spec_model, "device": args.device,
+                           "threads": args.threads, "max_tokens": args.max_tokens, "load_average_start": os.getloadavg()}
     if args.device.startswith("cuda"):
         import torch
 
         out["device_name"] = torch.cuda.get_device_name(torch.device(args.device))
-    with Engine(engine_config(args, 1, 0), loaded=loaded) as engine:  # kernels and caches warm
+    with Engine(engine_config(args, 1, 0), loaded=models.loaded) as engine:  # kernels and caches warm
         engine.complete(engine.tokenizer.encode("warm up"), SamplingParams(max_tokens=8))
     if args.verify_cost:
-        out.update(verify_mode(loaded, args))
+        out.update(verify_mode(models, args))
     else:
         out.update(file_tokens=args.file_tokens, licence_sources=sources(),
                    rates="tokens_per_s: all generated tokens / the run's wall time (prompt reads "
                          "included); lane_decode_tokens_per_s: tokens after each request's first / the "
                          "time after its first token")
-        out["runs"] = strata_runs(loaded, args)
+        out["runs"] = strata_runs(models, args)
         if args.llama_server:
-            out["llama_server"] = llama_runs(loaded, path, args)
+            out["llama_server"] = llama_runs(models, args)
             out["versus_llama"] = versus_llama(out["runs"], out["llama_server"])
         for r in out["runs"]:
             r.pop("outputs", None)

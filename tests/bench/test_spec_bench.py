@@ -7,14 +7,23 @@ import json
 
 import pytest
 
-from benchmarks.spec_bench import distinct, parser, resolve, strata_runs, versus_llama
+from benchmarks.spec_bench import (
+    Models,
+    Run,
+    parser,
+    resolve,
+    runs_of,
+    strata_runs,
+    versus_llama,
+    workload_runs,
+)
 from benchmarks.spec_replay import Record, Reply, compare, llama_figures
 from benchmarks.spec_verify import regenerate, verify_costs
 from benchmarks.spec_workloads import agent_conversations, open_conversations
 from strata.engine.config import AUTO_SPEC, EngineConfig
 from strata.engine.engine import Engine
 
-SMALL = ["--specs", "off,4,auto", "--lanes", "1,2", "--max-tokens", "12", "--file-tokens", "80",
+SMALL = ["--specs", "off,4,auto", "--multi-lane-specs", "off,4,auto", "--lanes", "1,2", "--max-tokens", "12", "--file-tokens", "80",
          "--conversations", "2", "--open", "2", "--sampled-specs", "off,4", "--max-context", "512"]
 FIGURES = {"tokens_per_s", "lane_decode_tokens_per_s", "generated_tokens", "wall_s", "speedup",
            "decode_speedup", "speculation", "steps"}
@@ -22,7 +31,7 @@ FIGURES = {"tokens_per_s", "lane_decode_tokens_per_s", "generated_tokens", "wall
 
 def test_every_run_has_its_figures_and_every_spec_run_the_same_answers(tiny_loaded) -> None:
     args = resolve(parser().parse_args(SMALL))
-    rows = json.loads(json.dumps(strata_runs(tiny_loaded, args)))  # what the script prints
+    rows = json.loads(json.dumps(strata_runs(Models(tiny_loaded, "tiny"), args)))  # what the script prints
     measured = [r for r in rows if "same_as" not in r]
     keys = {(r["workload"], r["temperature"], r["lanes"], r["spec"]) for r in measured}
     assert keys == {(w, 0.0, n, s) for w in ("agent", "open") for n in (1, 2) for s in ("off", "4")} | {
@@ -30,13 +39,26 @@ def test_every_run_has_its_figures_and_every_spec_run_the_same_answers(tiny_load
     for r in measured:
         assert FIGURES <= r.keys() and r["generated_tokens"] > 0 and r["tokens_per_s"] > 0
         if r["spec"] == "off":
-            assert r["speculation"] is None and r["speedup"] == 1.0
+            assert r["speculation"] is None and r["speedup"] == 1.0 and r["proposers"] == ""
         else:
-            assert r["identical"] is True and r["first_difference"] == {}
+            assert r["identical"] is True and r["first_difference"] == {} and r["proposers"] == "suffix"
             assert {"acceptance_rate", "mean_accepted_length"} <= r["speculation"].keys()
-    assert all(r["identical_to_one_lane"] for r in measured if r["lanes"] == 2 and r["spec"] == "off")
+    assert all(r["identical_to_first_lane_count"] for r in measured if r["lanes"] == 2 and r["spec"] == "off")
     assert [r["same_as"] for r in rows if "same_as" in r] == ["4"] * 4  # auto is 4: run once, named
     assert AUTO_SPEC == 4
+
+
+def test_a_draft_model_drafts_alone_and_after_the_suffix_proposer(tiny_loaded) -> None:
+    """The tiny model drafting for itself: its greedy drafts hold, and the answers stay."""
+    args = resolve(parser().parse_args([*SMALL, "--proposers", "draft_model,suffix+draft_model",
+                                        "--spec-model", "tiny"]))
+    rows = workload_runs(Models(tiny_loaded, "tiny", draft=tiny_loaded), args, "open", open_conversations(2),
+                         1, [("4", 4)], 0.0)
+    assert [r["proposers"] for r in rows] == ["", "draft_model", "suffix+draft_model"]
+    for r in rows[1:]:
+        assert r["identical"] is True
+        assert r["speculation"]["draft_model_accepted_tokens"] > 0
+        assert r["steps"] < rows[0]["steps"]
 
 
 def test_the_regenerate_drafts_from_the_first_round_and_changes_nothing(tiny_loaded) -> None:
@@ -57,8 +79,9 @@ def test_verify_cost_rows_cover_every_draft_count_and_lane_count(tiny_loaded) ->
         rows = verify_costs(engine, [1, 2], [0, 1, 3], position=32, reps=2)
     assert [(r["lanes"], r["drafts"], r["rows"]) for r in rows] == [
         (1, 0, 1), (1, 1, 2), (1, 3, 4), (2, 0, 2), (2, 1, 4), (2, 3, 8)]
-    assert all(r["forward_ms"] > 0 and r["vs_one_row_graph"] is None for r in rows)  # no graphs on the CPU
-    assert [r["vs_one_row"] for r in rows if r["drafts"] == 0] == [1.0, 1.0]
+    assert all(r["eager_ms"] > 0 and r["graph_ms"] is None for r in rows)  # no graphs on the CPU
+    assert [r["eager_vs_one_row"] for r in rows if r["drafts"] == 0] == [1.0, 1.0]
+    assert [r["speedup_if_all_accepted"] for r in rows if r["drafts"] == 0] == [1.0, 1.0]
 
 
 def test_compare_finds_the_first_differing_token() -> None:
@@ -100,9 +123,11 @@ def test_versus_llama_takes_each_side_without_and_at_its_fastest() -> None:
                                             "fastest_llama": "ngram-mod"}]
 
 
-def test_distinct_runs_off_first_and_names_repeats() -> None:
-    assert distinct([("2", 2), ("auto", AUTO_SPEC), (str(AUTO_SPEC), AUTO_SPEC)]) == (
-        [("off", 0), ("2", 2), ("auto", AUTO_SPEC)], {str(AUTO_SPEC): "auto"})
+def test_runs_go_off_first_each_count_once_with_each_proposer_set() -> None:
+    runs, same = runs_of([("2", 2), ("auto", AUTO_SPEC), (str(AUTO_SPEC), AUTO_SPEC)], ["suffix", "draft_model"])
+    assert runs == [Run("off", 0), Run("2", 2, "suffix"), Run("2", 2, "draft_model"),
+                    Run("auto", AUTO_SPEC, "suffix"), Run("auto", AUTO_SPEC, "draft_model")]
+    assert same == {str(AUTO_SPEC): "auto"}
 
 
 @pytest.mark.parametrize("flags,named", [(["--specs", "off,fast"], "auto, off"),
@@ -112,6 +137,13 @@ def test_bad_flags_stop_at_parse_time_naming_the_choices(flags, named, capsys) -
     with pytest.raises(SystemExit) as e:
         parser().parse_args(flags)
     assert e.value.code == 2 and named in capsys.readouterr().err
+
+
+def test_a_draft_model_and_its_proposer_go_together(capsys) -> None:
+    for flags in (["--proposers", "draft_model"], ["--spec-model", "d.gguf"]):
+        with pytest.raises(SystemExit):
+            resolve(parser().parse_args(flags))
+        assert "--spec-model and a draft_model" in capsys.readouterr().err
 
 
 def test_quick_fills_only_what_was_not_given() -> None:
