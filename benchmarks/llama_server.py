@@ -12,6 +12,7 @@ import json
 import socket
 import subprocess
 import time
+from collections.abc import Iterator
 from typing import Any, Callable
 
 import httpx
@@ -23,6 +24,15 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return int(s.getsockname()[1])
+
+
+def stream_completion(url: str, body: dict[str, Any]) -> Iterator[dict[str, Any]]:
+    """The events of one streamed request to llama-server's /completion, as it sends them."""
+    with httpx.stream("POST", f"{url}/completion", json={**body, "stream": True}, timeout=600) as r:
+        r.raise_for_status()
+        for line in r.iter_lines():
+            if line.startswith("data: "):
+                yield json.loads(line[6:])
 
 
 class LlamaServer:
@@ -71,17 +81,12 @@ class LlamaServer:
                                     "return_tokens": True, "ignore_eos": True}
             started = time.perf_counter()
             ttft, answer, cached = None, [], 0
-            with httpx.stream("POST", f"{self.url}/completion", json=body, timeout=600) as r:
-                r.raise_for_status()
-                for line in r.iter_lines():
-                    if not line.startswith("data: "):
-                        continue
-                    ev = json.loads(line[6:])
-                    if ev.get("tokens") and ttft is None:
-                        ttft = time.perf_counter() - started
-                    answer += ev.get("tokens", [])
-                    if ev.get("stop"):
-                        cached = int(ev.get("timings", {}).get("cache_n", 0))
+            for ev in stream_completion(self.url, body):
+                if ev.get("tokens") and ttft is None:
+                    ttft = time.perf_counter() - started
+                answer += ev.get("tokens", [])
+                if ev.get("stop"):
+                    cached = int(ev.get("timings", {}).get("cache_n", 0))
             return ttft or 0.0, cached, answer
 
         return send

@@ -56,6 +56,7 @@ from benchmarks.spec_replay import (
 )
 from benchmarks.spec_verify import regenerate, verify_costs
 from benchmarks.spec_workloads import Conversation, agent_conversations, open_conversations, sources
+from strata.bench.report import emit
 from strata.engine.config import EngineConfig, probability_arg, spec_arg
 from strata.engine.engine import Engine
 from strata.engine.types import SamplingParams
@@ -379,10 +380,7 @@ def main(argv: list[str] | None = None) -> int:
             r.pop("outputs", None)
     out["load_average_end"] = os.getloadavg()
     out["seconds"] = round(time.perf_counter() - t0, 1)
-    text = json.dumps(out, indent=1)
-    print(text)
-    if args.out:
-        Path(args.out).write_text(text + "\n")
+    emit(out, args.out, indent=1)
     return 0
 
 

@@ -11,15 +11,13 @@ the time after the first token).
 
 from __future__ import annotations
 
-import json
 import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
-import httpx
-
+from benchmarks.llama_server import stream_completion
 from benchmarks.spec_workloads import Conversation
 from strata.engine.engine import Engine
 from strata.engine.types import SamplingParams
@@ -118,20 +116,15 @@ def llama_sender(url: str, max_tokens: int) -> Send:
     """Greedy requests to llama-server's /completion as token ids, streamed; its timings kept."""
     def send(prompt: list[int], seed: int) -> Reply:
         body = {"prompt": prompt, "n_predict": max_tokens, "temperature": 0.0, "top_k": 1, "seed": seed,
-                "cache_prompt": True, "stream": True, "return_tokens": True}
+                "cache_prompt": True, "return_tokens": True}
         start = time.perf_counter()
         first, tokens, timings = None, [], {}
-        with httpx.stream("POST", f"{url}/completion", json=body, timeout=600) as r:
-            r.raise_for_status()
-            for line in r.iter_lines():
-                if not line.startswith("data: "):
-                    continue
-                ev = json.loads(line[6:])
-                if ev.get("tokens") and first is None:
-                    first = time.perf_counter()
-                tokens += ev.get("tokens", [])
-                if ev.get("stop"):
-                    timings = ev.get("timings", {})
+        for ev in stream_completion(url, body):
+            if ev.get("tokens") and first is None:
+                first = time.perf_counter()
+            tokens += ev.get("tokens", [])
+            if ev.get("stop"):
+                timings = ev.get("timings", {})
         end = time.perf_counter()
         return Reply(tokens, start, first or end, end, timings)
 
