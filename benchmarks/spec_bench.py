@@ -13,8 +13,9 @@ template and sent to `Engine` directly; one model load, one engine per configura
 count (so no configuration drafts from another's finished conversations). Greedy unless said;
 the agent workload also runs sampled (temperature 0.7, seeded) for `--sampled-specs`. Above one
 lane the configurations are `--multi-lane-specs` (a CPU step of 8 decode rows takes no drafts, so
-there the runs check that nothing is lost). `--proposers` picks which proposers draft: the suffix
-proposer, a draft model (`--spec-model FILE`, loaded once and shared), or both.
+there the runs check that nothing is lost) on `--multi-lane-workloads`. `--proposers` picks which
+proposers draft: the suffix proposer, a draft model (`--spec-model FILE`, loaded once and shared),
+or both.
 
 Each run reports `tokens_per_s` (every generated token over the run's wall time, prompt reads
 included: at 16 lanes the throughput of all of them) and `lane_decode_tokens_per_s` (tokens after
@@ -69,6 +70,7 @@ QUICK = {"specs": "off,auto", "multi_lane_specs": "off,auto", "lanes": "1,4", "m
          "file_tokens": 300, "conversations": 2, "open": 2, "sampled_specs": "off,auto",
          "llama_spec": "none,ngram-simple"}
 PROPOSERS = ("suffix", "draft_model", "suffix+draft_model")
+WORKLOADS = ("agent", "open")
 LLAMA_SPEC_TYPES = ("none", "ngram-simple", "ngram-map-k", "ngram-map-k4v", "ngram-mod", "ngram-cache")
 SAMPLED_TEMPERATURE = 0.7
 
@@ -85,6 +87,13 @@ def count_list(text: str) -> list[int]:
     if not all(s.isdigit() and int(s) > 0 for s in text.split(",")):
         raise argparse.ArgumentTypeError(f"positive counts separated by commas, not {text!r}")
     return [int(s) for s in text.split(",")]
+
+
+def workload_list(text: str) -> list[str]:
+    bad = [t for t in text.split(",") if t not in WORKLOADS]
+    if bad:
+        raise argparse.ArgumentTypeError(f"choose from {', '.join(WORKLOADS)}, not {bad[0]!r}")
+    return text.split(",")
 
 
 def proposer_list(text: str) -> list[str]:
@@ -114,6 +123,8 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--multi-lane-specs", type=spec_list, default=None,
                    help=f"--spec values at lane counts above 1 (default {FULL['multi_lane_specs']}: on the CPU "
                         "a step of 8 decode rows takes no drafts, so 16 lanes check only that nothing is lost)")
+    p.add_argument("--multi-lane-workloads", type=workload_list, default=["agent"],
+                   help="the workloads run above one lane (default agent; agent,open for both)")
     p.add_argument("--spec-min-p", type=probability_arg, default=0.0)
     p.add_argument("--proposers", type=proposer_list, default=["suffix"],
                    help=f"which proposers draft in each spec run, from {', '.join(PROPOSERS)} (default "
@@ -268,9 +279,13 @@ def strata_runs(models: Models, args: argparse.Namespace) -> list[dict[str, Any]
     rows: list[dict[str, Any]] = []
     for lanes in args.lanes:
         specs = args.specs if lanes == 1 else args.multi_lane_specs
-        agent = agent_conversations(max(args.conversations, lanes), count, args.file_tokens)
-        rows += workload_runs(models, args, "agent", agent, lanes, specs, 0.0)
-        rows += workload_runs(models, args, "open", open_conversations(max(args.open, lanes)), lanes, specs, 0.0)
+        workloads = WORKLOADS if lanes == 1 else args.multi_lane_workloads
+        if "agent" in workloads:
+            agent = agent_conversations(max(args.conversations, lanes), count, args.file_tokens)
+            rows += workload_runs(models, args, "agent", agent, lanes, specs, 0.0)
+        if "open" in workloads:
+            rows += workload_runs(models, args, "open", open_conversations(max(args.open, lanes)), lanes,
+                                  specs, 0.0)
     if args.sampled_specs:
         lanes = args.lanes[0]
         agent = agent_conversations(max(args.conversations, lanes), count, args.file_tokens)
@@ -358,7 +373,8 @@ def main(argv: list[str] | None = None) -> int:
     t0 = time.perf_counter()
     models = load(args)
     out: dict[str, Any] = {"model": models.path, "spec_model": args.spec_model, "device": args.device,
-                           "threads": args.threads, "max_tokens": args.max_tokens, "load_average_start": os.getloadavg()}
+                           "threads": args.threads, "max_tokens": args.max_tokens,
+                           "load_average_start": os.getloadavg()}
     if args.device.startswith("cuda"):
         import torch
 

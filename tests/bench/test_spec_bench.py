@@ -23,7 +23,8 @@ from benchmarks.spec_workloads import agent_conversations, open_conversations
 from strata.engine.config import AUTO_SPEC, EngineConfig
 from strata.engine.engine import Engine
 
-SMALL = ["--specs", "off,4,auto", "--multi-lane-specs", "off,4,auto", "--lanes", "1,2", "--max-tokens", "12", "--file-tokens", "80",
+SMALL = ["--specs", "off,4,auto", "--multi-lane-specs", "off,4,auto", "--multi-lane-workloads", "agent,open",
+         "--lanes", "1,2", "--max-tokens", "12", "--file-tokens", "80",
          "--conversations", "2", "--open", "2", "--sampled-specs", "off,4", "--max-context", "512"]
 FIGURES = {"tokens_per_s", "lane_decode_tokens_per_s", "generated_tokens", "wall_s", "speedup",
            "decode_speedup", "speculation", "steps"}
@@ -132,7 +133,9 @@ def test_runs_go_off_first_each_count_once_with_each_proposer_set() -> None:
 
 @pytest.mark.parametrize("flags,named", [(["--specs", "off,fast"], "auto, off"),
                                          (["--llama-spec", "none,eagle"], "ngram-simple"),
-                                         (["--lanes", "1,zero"], "positive counts")])
+                                         (["--lanes", "1,zero"], "positive counts"),
+                                         (["--multi-lane-workloads", "chat"], "agent, open"),
+                                         (["--proposers", "mtp"], "suffix, draft_model")])
 def test_bad_flags_stop_at_parse_time_naming_the_choices(flags, named, capsys) -> None:
     with pytest.raises(SystemExit) as e:
         parser().parse_args(flags)
