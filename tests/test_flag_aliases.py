@@ -110,7 +110,7 @@ def test_bad_value_fails_while_parsing_in_one_line(capsys, argv: list[str], word
         assert word in line, line
 
 
-@pytest.mark.parametrize("argv, spec", [([], 0), (["--spec", "auto"], 4), (["--spec", "off"], 0),
+@pytest.mark.parametrize("argv, spec", [([], 0), (["--spec", "auto"], 8), (["--spec", "off"], 0),
                                         (["--spec", "6"], 6)])
 def test_spec_values(argv: list[str], spec: int) -> None:
     assert config_of(*argv).spec == spec

@@ -310,7 +310,7 @@ def add_threads_argument(g: argparse._ArgumentGroup, governed: bool = True) -> N
                         + (fewer if governed else ""))
 
 
-AUTO_SPEC = 4  # --spec auto: the draft length measured best on the CPU (docs/SPECULATIVE.md)
+AUTO_SPEC = 8  # --spec auto: the draft length measured best on the CPU (docs/PERFORMANCE.md)
 
 
 def spec_arg(text: str) -> int:
