@@ -23,9 +23,10 @@ from benchmarks.spec_workloads import agent_conversations, open_conversations
 from strata.engine.config import AUTO_SPEC, EngineConfig
 from strata.engine.engine import Engine
 
-SMALL = ["--specs", "off,4,auto", "--multi-lane-specs", "off,4,auto", "--multi-lane-workloads", "agent,open",
+A = str(AUTO_SPEC)
+SMALL = ["--specs", f"off,{A},auto", "--multi-lane-specs", f"off,{A},auto", "--multi-lane-workloads", "agent,open",
          "--lanes", "1,2", "--max-tokens", "12", "--file-tokens", "80",
-         "--conversations", "2", "--open", "2", "--sampled-specs", "off,4", "--max-context", "512"]
+         "--conversations", "2", "--open", "2", "--sampled-specs", f"off,{A}", "--max-context", "512"]
 FIGURES = {"tokens_per_s", "lane_decode_tokens_per_s", "generated_tokens", "wall_s", "speedup",
            "decode_speedup", "speculation", "steps"}
 
@@ -35,8 +36,8 @@ def test_every_run_has_its_figures_and_every_spec_run_the_same_answers(tiny_load
     rows = json.loads(json.dumps(strata_runs(Models(tiny_loaded, "tiny"), args)))  # what the script prints
     measured = [r for r in rows if "same_as" not in r]
     keys = {(r["workload"], r["temperature"], r["lanes"], r["spec"]) for r in measured}
-    assert keys == {(w, 0.0, n, s) for w in ("agent", "open") for n in (1, 2) for s in ("off", "4")} | {
-        ("agent", 0.7, 1, "off"), ("agent", 0.7, 1, "4")}
+    assert keys == {(w, 0.0, n, s) for w in ("agent", "open") for n in (1, 2) for s in ("off", A)} | {
+        ("agent", 0.7, 1, "off"), ("agent", 0.7, 1, A)}
     for r in measured:
         assert FIGURES <= r.keys() and r["generated_tokens"] > 0 and r["tokens_per_s"] > 0
         if r["spec"] == "off":
@@ -45,8 +46,7 @@ def test_every_run_has_its_figures_and_every_spec_run_the_same_answers(tiny_load
             assert r["identical"] is True and r["first_difference"] == {} and r["proposers"] == "suffix"
             assert {"acceptance_rate", "mean_accepted_length"} <= r["speculation"].keys()
     assert all(r["identical_to_first_lane_count"] for r in measured if r["lanes"] == 2 and r["spec"] == "off")
-    assert [r["same_as"] for r in rows if "same_as" in r] == ["4"] * 4  # auto is 4: run once, named
-    assert AUTO_SPEC == 4
+    assert [r["same_as"] for r in rows if "same_as" in r] == [A] * 4  # auto is AUTO_SPEC: run once, named
 
 
 def test_a_draft_model_drafts_alone_and_after_the_suffix_proposer(tiny_loaded) -> None:
