@@ -506,7 +506,7 @@ class Engine:
                      self.config.max_context - 2 - len(lane.tokens)) for lane in lanes]
         drafts = self.speculator.plan([(lane.request, room) for lane, room in zip(lanes, rooms)])  # type: ignore[misc]
         for lane, d in zip(lanes, drafts):
-            lane.drafts = d
+            lane.carry(d)
 
     def _launch(self, step: Step, forward: Callable[[], torch.Tensor]) -> Launched | None:
         """Run a step's forward; a greedy decode step also gets its tokens, left on the device."""
@@ -613,9 +613,7 @@ class Engine:
                 if not wanted and req.params.progress:
                     req.handle.publish(self._progress(req))
             else:
-                assert lane.pending is not None
-                lane.tokens.append(lane.pending)
-                lane.pending = None
+                lane.keep_pending()
             self.past_trained.see(len(lane.tokens), req.handle.id)
             if wanted > 1:
                 verifying.append((lane, first[i], req))
@@ -676,7 +674,7 @@ class Engine:
         Each token goes through `_accept` (stops, limits, events) as if decoded alone; rows past
         the first mismatch are never sampled, so a seeded request draws the same noise as
         without drafts. Rejected drafts' K/V lies past `lane.tokens`: rolled back by length."""
-        drafts, lane.drafts = lane.drafts, []
+        drafts = lane.take_drafts()
         rows = logits[row : row + len(drafts) + 1]
         ids = rows.argmax(dim=-1).tolist() if plain_greedy(req) else None  # one sync for the run
         accepted = 0
@@ -685,8 +683,7 @@ class Engine:
             self._accept(lane, tok, lp)
             if lane.request is not req or j == len(drafts) or tok != drafts[j]:
                 break
-            lane.tokens.append(tok)  # the draft's K/V is in the pool already
-            lane.pending = None
+            lane.keep_pending()  # the draft (now the pending token) was fed: its K/V is in the pool
             accepted += 1
         self.speculator.verified(req, len(drafts), accepted)  # type: ignore[union-attr]
 

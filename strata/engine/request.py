@@ -32,7 +32,7 @@ class RequestHandle:
         self.id = request_id
         self._cancel = threading.Event()
         self._wake = None  # the engine's wake-up callback, set on submission
-        self.lane: int | None = None  # the lane serving the request, set by the scheduler on admission
+        self.lane: int | None = None  # the lane serving the request, from admission on (`placed`)
         try:
             self._loop: asyncio.AbstractEventLoop | None = asyncio.get_running_loop()
         except RuntimeError:
@@ -41,6 +41,10 @@ class RequestHandle:
         self._q: queue.SimpleQueue = queue.SimpleQueue()
 
     # ---- engine side ----
+    def placed(self, lane: int) -> None:
+        """The scheduler admitted the request to `lane` (answers name it: llama-server's id_slot)."""
+        self.lane = lane
+
     def _put(self, item: object) -> None:
         if self._loop is not None:
             assert self._aq is not None

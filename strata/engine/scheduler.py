@@ -35,6 +35,21 @@ class Lane:
     drafts: list[int] = field(default_factory=list)  # drafted tokens to feed after it (speculative.py)
     last_used: float = 0.0
 
+    def carry(self, drafts: list[int]) -> None:
+        """Feed `drafts` after the pending token in the next step (speculative.py)."""
+        self.drafts = list(drafts)
+
+    def take_drafts(self) -> list[int]:
+        """The drafts the last step fed, handed over for verification; the lane carries none now."""
+        drafts, self.drafts = self.drafts, []
+        return drafts
+
+    def keep_pending(self) -> None:
+        """The pending token's K/V is in the pool (fed by the last step): the lane holds it now."""
+        assert self.pending is not None
+        self.tokens.append(self.pending)
+        self.pending = None
+
 
 @dataclass
 class Counters:
@@ -209,7 +224,7 @@ class Scheduler:
         req.cached = m
         lane.request = req
         lane.pending = None
-        req.handle.lane = lane.index
+        req.handle.placed(lane.index)
         return lane
 
     def _admit_resumed(self, req: Request, lane: Lane, m: int) -> Lane:
@@ -255,7 +270,7 @@ class Scheduler:
         req.cuts = cps.cut_points(m, len(req.prompt), req.params.cut_points)
         lane.request = req
         lane.pending = None
-        req.handle.lane = lane.index
+        req.handle.placed(lane.index)
         return lane
 
     def move(self, src: Lane, dst: Lane) -> None:

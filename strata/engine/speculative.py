@@ -89,6 +89,10 @@ class LaneDrafting:
     pause: int = 0  # decode steps left without drafting
     pauses: int = 0  # pauses in a row (the next one lasts longer)
 
+    def drafted_by(self, name: str) -> None:
+        """The proposer of the draft now in flight (its figures count the verification)."""
+        self.source = name
+
     def verified(self, drafted: int, accepted: int, most: int) -> None:
         """Adapt to a verification: grow after a whole acceptance, shrink to what held, pause
         after repeated failures (longer each time in a row)."""
@@ -166,7 +170,7 @@ class Speculator:
         for proposer in self.proposers:
             drafts = proposer.propose(req, state, min(state.k, room))
             if drafts:
-                state.source = proposer.name
+                state.drafted_by(proposer.name)
                 return drafts
         return []
 
