@@ -75,10 +75,10 @@ def sweep_decode(fmt_name: str, device: torch.device, shapes: tuple[tuple[int, i
     key = _kinds(fmt_name)
     saved = dict(decode.CONFIGS)
     try:
-        for block_n, warps, stages, per_sm in itertools.product((64, 128), (4, 8), (1, 2), (2, 4)):
-            decode.CONFIGS[key] = decode.DecodeConfig(block_n, warps, stages, per_sm)
+        for block_n, warps, stages in itertools.product((64, 128), (4, 8), (1, 2)):
+            decode.CONFIGS[key] = decode.DecodeConfig(block_n, warps, stages)
             row: dict[str, Any] = {"kv": fmt_name, "block_n": block_n, "num_warps": warps,
-                                   "num_stages": stages, "per_sm": per_sm}
+                                   "num_stages": stages}
             for lanes, context in shapes:
                 try:
                     row[f"us_{lanes}x{context}"] = attention_run(fmt_name, lanes, context, device,

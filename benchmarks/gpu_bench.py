@@ -180,6 +180,8 @@ def parser() -> argparse.ArgumentParser:
                    help="lane counts, e.g. 16,64: each request's greedy tokens alone vs among that many")
     p.add_argument("--pipeline", default="auto", choices=["auto", "on", "off"],
                    help="the engine's --pipeline (auto: on with CUDA-graph decode)")
+    p.add_argument("--batch-invariant", default="auto", choices=["auto", "on", "off"],
+                   help="the engine's --batch-invariant (auto: on, since the runs use several lanes)")
     p.add_argument("--long-context", type=int, default=0,
                    help="also decode one lane after a prompt of this many tokens (e.g. 32768)")
     p.add_argument("--long-kv", default="bf16,int8,k8v4",
@@ -207,7 +209,8 @@ def engine_config(args: Any, lanes: list[int], lengths: list[int]) -> EngineConf
                         max_context=max_context,
                         kv_pool_tokens=chunks * args.kv_chunk, kv_chunk=args.kv_chunk, kv=args.kv,
                         prefill_chunk=args.prefill_chunk, max_queued=4 * parallel,
-                        pipeline=args.pipeline, expert_cache=args.expert_cache,
+                        pipeline=args.pipeline, batch_invariant=args.batch_invariant,
+                        expert_cache=args.expert_cache,
                         expert_policy=args.expert_policy)
 
 
@@ -216,7 +219,8 @@ def main(argv: list[str] | None = None) -> int:
     lanes = [int(x) for x in args.lanes.split(",") if x]
     lengths = [int(x) for x in args.prompt_lengths.split(",") if x]
     cfg = engine_config(args, lanes, lengths)
-    out: dict[str, Any] = {"model": args.model, "pipeline": args.pipeline}
+    out: dict[str, Any] = {"model": args.model, "pipeline": args.pipeline,
+                           "batch_invariant": args.batch_invariant}
     tables: list[str] = []
 
     def stage(name: str, fn: Any) -> None:

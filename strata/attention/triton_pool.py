@@ -10,7 +10,6 @@ themselves are read by the kernels from the pool's fixed device copy.
 
 from __future__ import annotations
 
-import functools
 import weakref
 
 import torch
@@ -27,21 +26,6 @@ from strata.kv.step import SeqSpec, StepCells, step_cells
 
 # Per pool, per layer: the (K, V) kernel views of its storage, made once.
 _HALVES: weakref.WeakKeyDictionary[KvPool, list[tuple[Half, Half]]] = weakref.WeakKeyDictionary()
-
-
-INTERPRETED_SMS = 132  # a CPU pool runs the kernels under TRITON_INTERPRET=1 (tests): plan as on an H200
-
-
-@functools.cache
-def _sm_count(index: int) -> int:
-    return torch.cuda.get_device_properties(index).multi_processor_count
-
-
-def multiprocessors(device: torch.device) -> int:
-    """Multiprocessors the decode kernel plans its context splits for."""
-    if device.type != "cuda":
-        return INTERPRETED_SMS
-    return _sm_count(device.index if device.index is not None else torch.cuda.current_device())
 
 
 def _layer_halves(pool: KvPool, layer: int) -> tuple[Half, Half]:
@@ -93,7 +77,6 @@ class GpuTableAttention:
         self.scale = scale
         self.plain = isinstance(pool.fmt, PlainFormat)
         self.rotate_v = isinstance(pool.fmt, K8V4Format) and pool.fmt.rotate
-        self.sms = multiprocessors(pool.device)
 
     @classmethod
     def for_graph(cls, pool: KvPool, meta: torch.Tensor, scale: float) -> GpuTableAttention:
@@ -126,7 +109,6 @@ class GpuTableAttention:
             q = q.contiguous()
         out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
         tables, chunk = self.pool.tables_device, self.pool.chunk_size
-        decode_attention(q, out, self.decode, kh, vh, tables, chunk, self.scale, self.sms,
-                         self.rotate_v)
+        decode_attention(q, out, self.decode, kh, vh, tables, chunk, self.scale, self.rotate_v)
         prefill_attention(q, out, self.prefill, kh, vh, tables, chunk, self.scale, self.rotate_v)
         return out  # k8v4: the kernels rotate the output back (`fmt.finish_output`) themselves

@@ -47,7 +47,7 @@ from strata.kv.stream_copies import Run, coalesce
 
 try:  # planning needs neither a GPU nor Triton; the kernels do
     from strata.attention.layout import halves
-    from strata.attention.triton_pool import batch_parts, batches, multiprocessors
+    from strata.attention.triton_pool import batch_parts, batches
     from strata.kernels.triton.decode import decode_attention
     from strata.kernels.triton.prefill import prefill_attention
     from strata.kernels.triton.write import write_plain, write_quantized
@@ -138,7 +138,6 @@ class GpuStreamAttention:
         self.scale = scale
         self.plain = isinstance(pool.fmt, PlainFormat)
         self.rotate_v = isinstance(pool.fmt, K8V4Format) and pool.fmt.rotate
-        self.sms = multiprocessors(store.device)
         self.state = state = store.copies
         self.overlap = store.overlap
         self.layers = len(store.host)
@@ -221,8 +220,7 @@ class GpuStreamAttention:
         out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
         table = self.tables[layer]
         block = self.store.block
-        decode_attention(q, out, self.decode, kh, vh, table, block, self.scale, self.sms,
-                         self.rotate_v)
+        decode_attention(q, out, self.decode, kh, vh, table, block, self.scale, self.rotate_v)
         prefill_attention(q, out, self.prefill, kh, vh, table, block, self.scale, self.rotate_v)
         state.after_layer(layer)
         nxt = layer + plan.ring

@@ -46,6 +46,8 @@ class EngineConfig:
     prefix_reuse: bool = True  # reuse cached conversations' K/V (off: every prompt read from 0)
     pipeline: str = "auto"  # launch the next greedy decode step before post-processing this one:
     # auto (with CUDA-graph decode) | on | off
+    batch_invariant: str = "auto"  # CUDA products whose rows do not depend on the batch: auto (on
+    # where a lane can have company: --parallel above 1 or --spec) | on | off
     gpus: str | None = None  # layer split in this process over these devices: "0,1", "cpu,cpu"
     split: str | None = None  # layers per --gpus stage ("16,16"); None = by free memory
     remote_stage: str | None = None  # HOST:PORT of a worker (`strata stage`) running the later layers
@@ -70,6 +72,15 @@ class EngineConfig:
 DEFAULT_KV_CHUNK = 4096
 MIN_AUTO_KV_CHUNK = 64  # a streamed pool's block: smaller chunks would split its blocks
 CHUNKS_PER_LANE = 4
+
+
+def batch_invariant_on(config: EngineConfig) -> bool:
+    """--batch-invariant: auto is on where a lane can have company in a step (several lanes, or
+    its own drafts beside it); with one lane and no drafts every step has one row per lane anyway,
+    and the one-row kernels are the faster path."""
+    if config.batch_invariant == "auto":
+        return config.parallel > 1 or config.spec > 0
+    return config.batch_invariant == "on"
 
 
 def pool_chunk_size(config: EngineConfig) -> int:
@@ -247,6 +258,10 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--pipeline", default=d.pipeline, choices=["auto", "on", "off"],
                    help="greedy decode: launch the next step before post-processing this one, so "
                         "the host's work overlaps the device's (auto: with CUDA-graph decode)")
+    g.add_argument("--batch-invariant", default=d.batch_invariant, choices=["auto", "on", "off"],
+                   help="on CUDA, compute every product so that a lane's output does not depend on "
+                        "the other lanes in its step (docs/GPU.md, 'Exactness on the GPU'); auto: on "
+                        "where a lane can have company (--parallel above 1, or --spec)")
     t = parser.add_argument_group("chat template")
     t.add_argument("--chat-template", type=chat_template_arg, default=d.chat_template, metavar="FILE",
                    help="render chats with this Jinja template file (or inline template text, as "

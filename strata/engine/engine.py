@@ -21,6 +21,7 @@ import torch
 from strata.engine.checkpoints import Checkpoints
 from strata.engine.config import (
     EngineConfig,
+    batch_invariant_on,
     cache_size,
     check_gpu_layers,
     describe_pool,
@@ -155,6 +156,9 @@ class Engine:
             raise ModelLoadError(self.loaded.path, "the model carries no tokenizer")
         self.model_config = self.loaded.config
         check_gpu_layers(config, self.model_config.num_layers)
+        # before graphs are captured and a remote stage is greeted (it follows the main)
+        self.batch_invariant = batch_invariant_on(config)
+        self.loaded.model.set_batch_invariant(self.batch_invariant)
         self.tokenizer = self.loaded.tokenizer
         if config.chat_template is not None:  # a copy: a loaded model passed in may be shared
             self.tokenizer = copy.copy(self.tokenizer)
@@ -322,7 +326,8 @@ class Engine:
         mc, pool = self.model_config, self.pool
         weights = sum(weight_bytes(self.loaded.model).values())
         dtype = str(self.dtype).removeprefix("torch.")
-        parts = [f"{self.model_name} ({mc.arch}, {mc.num_layers} layers) on {self.device}, {dtype}, "
+        invariant = ", batch-invariant products" if self.batch_invariant and self.device.type == "cuda" else ""
+        parts = [f"{self.model_name} ({mc.arch}, {mc.num_layers} layers) on {self.device}, {dtype}{invariant}, "
                  f"weights {self.loaded.weights} {weights / 2**30:.2f} GiB",
                  f"KV {pool.fmt.name}: {self.config.parallel} lanes, {pool.total_cells} cells in "
                  f"{pool.num_chunks} chunks of {pool.chunk_size}, {pool.total_bytes() / 2**20:.1f} MiB",

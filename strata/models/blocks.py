@@ -91,6 +91,12 @@ class BlockLinear(nn.Module):
         self.bias = None if bias is None else nn.Parameter(bias, requires_grad=False)
         self.in_features = in_features
         self.out_features = sum(self.rows)
+        self.invariant = False  # `set_invariant`
+
+    def set_invariant(self, on: bool) -> None:
+        """On CUDA, compute a lone row as a row of the many-row kernel (`block_mm`), whose sums do
+        not depend on the number of rows, instead of the one-row kernel (`--batch-invariant`)."""
+        self.invariant = on
 
     def segments(self) -> list[tuple[GGMLQuantizationType, torch.Tensor]]:
         return [(q, getattr(self, f"blocks{i}")) for i, q in enumerate(self.qtypes)]
@@ -117,7 +123,7 @@ class BlockLinear(nn.Module):
         x2 = x.reshape(-1, shape[-1]).contiguous()
         if out_dtype is not None and x2.device.type == "cpu":
             x2 = x2.to(out_dtype)
-        parts = [block_product(x2, q, b, self.packed, out_dtype) for q, b in self.segments()]
+        parts = [block_product(x2, q, b, self.packed, out_dtype, self.invariant) for q, b in self.segments()]
         y = parts[0] if len(parts) == 1 else torch.cat(parts, dim=-1)
         if self.bias is not None:
             y = y + self.bias
@@ -131,8 +137,10 @@ class BlockLinear(nn.Module):
         return self.forward(x, out_dtype=torch.float32)
 
     def takes_row(self, x: torch.Tensor) -> bool:
-        """Whether one CUDA row can take the folded one-row kernels (`row`)."""
-        return x.is_cuda and x.shape[0] == 1 and triton_blocks is not None and self.bias is None
+        """Whether one CUDA row can take the folded one-row kernels (`row`): not where the row must
+        be summed as in a batch (`invariant`)."""
+        return (x.is_cuda and x.shape[0] == 1 and triton_blocks is not None and self.bias is None
+                and not self.invariant)
 
     def row(self, x: torch.Tensor, *, norm_weight: torch.Tensor | None = None, eps: float = 0.0,
             silu: bool = False, residual: torch.Tensor | None = None,
@@ -156,14 +164,18 @@ class BlockLinear(nn.Module):
 
 
 def block_product(x: torch.Tensor, qtype: GGMLQuantizationType, blocks: torch.Tensor, packed: bool,
-             out_dtype: torch.dtype | None) -> torch.Tensor:
-    """x [M, K] times one segment's rows, on the blocks' device."""
+                  out_dtype: torch.dtype | None, invariant: bool = False) -> torch.Tensor:
+    """x [M, K] times one segment's rows, on the blocks' device. `invariant`: a lone CUDA row is
+    the first of two rows of `block_mm` (whose reduction order is the same at every M)."""
     if blocks.device.type == "cpu":
         k = cpu_kernel()
         assert k is not None, "block weights on the CPU need the C++ kernels"
         return k.block_matmul(x, blocks, int(qtype))
     g: ModuleType | None = triton_blocks
     assert g is not None, "block weights on CUDA need Triton"
+    if x.shape[0] == 1 and invariant:
+        return g.block_mm(x.expand(2, -1).contiguous(), blocks, int(qtype), out_dtype=out_dtype,
+                          packed=packed)[:1]
     if x.shape[0] == 1:
         return g.block_gemv(x, blocks, int(qtype), out_dtype=out_dtype, packed=packed)
     return g.block_mm(x, blocks, int(qtype), out_dtype=out_dtype, packed=packed)

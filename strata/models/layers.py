@@ -60,6 +60,11 @@ class Attention(nn.Module):
         self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
         self.window = cfg.window(layer_index)  # None, or a sliding layer's window
 
+    def qkv_proj_invariant(self) -> bool:
+        """Whether the projections take the batch-invariant products (then a lone CUDA row must
+        too, not the one-row kernels, whose sums run in another order)."""
+        return isinstance(self.qkv_proj, (Linear, BlockLinear)) and self.qkv_proj.invariant
+
     def forward(
         self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, ctx: AttentionContext
     ) -> torch.Tensor:
@@ -129,8 +134,9 @@ class DecoderLayer(nn.Module):
     ) -> torch.Tensor:
         """states: the step's recurrent state, which attention layers do not read (the stack
         hands every layer the same arguments)."""
-        if h.is_cuda and h.shape[0] == 1 and isinstance(self.mlp, MLP):  # one CUDA row: the products
-            attn, mlp = self.self_attn, self.mlp  # carry the small ops
+        if (h.is_cuda and h.shape[0] == 1 and isinstance(self.mlp, MLP)  # one CUDA row: the products
+                and not self.self_attn.qkv_proj_invariant()):  # carry the small ops
+            attn, mlp = self.self_attn, self.mlp
             lins = (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)
             g = ops.row_kernels(h, *lins)
             if g is not None:
@@ -194,10 +200,20 @@ class DecoderModel(nn.Module):
             if cfg.tie_word_embeddings
             else Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         )
+        self.batch_invariant = False  # `set_batch_invariant`
         self.rope_cos: torch.Tensor
         self.rope_sin: torch.Tensor
         self.register_buffer("rope_cos", torch.empty(0), persistent=False)
         self.register_buffer("rope_sin", torch.empty(0), persistent=False)
+
+    def set_batch_invariant(self, on: bool) -> None:
+        """On CUDA, compute every product (and the head's logits) with the kernel whose rows do not
+        depend on how many rows share the launch (`--batch-invariant`): a lane's output is then the
+        same alone, among other lanes, and with drafts. No effect on the CPU, which is built so."""
+        self.batch_invariant = on
+        for m in self.modules():
+            if isinstance(m, (Linear, BlockLinear)):
+                m.set_invariant(on)
 
     def make_layer(self, cfg: ModelConfig, layer_index: int) -> nn.Module:
         """Layer `layer_index` of the stack: an architecture with other layers overrides this."""
@@ -273,6 +289,11 @@ class DecoderModel(nn.Module):
         head = self.embed_tokens if self.lm_head is None else self.lm_head
         if isinstance(head, BlockLinear):
             return head.logits(hidden)
+        if self.batch_invariant and isinstance(head, (Linear, nn.Embedding)):  # float32 logits summed
+            # the same way at any number of rows
+            logits = ops.invariant_product(hidden, head.weight, out_dtype=torch.float32)
+            if logits is not None:
+                return logits
         g = ops.row_kernels(hidden, head)
         if g is not None:
             return g.gemv(hidden, head.weight, out_dtype=torch.float32)

@@ -21,9 +21,9 @@ from strata.kernels.cpu.loader import cpu_kernel
 from strata.knobs import flag
 
 try:  # the CPU machines and CI have no Triton: CUDA tensors then take the torch expressions
-    from strata.kernels.triton import fused, gemv
+    from strata.kernels.triton import fused, gemv, matmul
 except ImportError:
-    fused = gemv = None  # type: ignore[assignment]
+    fused = gemv = matmul = None  # type: ignore[assignment]
 
 
 @functools.cache
@@ -70,6 +70,15 @@ def row_kernels(h: torch.Tensor, *linears: torch.nn.Module) -> ModuleType | None
         if not isinstance(w, torch.Tensor) or not g.takes_weight(h, w):
             return None
     return g
+
+
+def invariant_product(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
+                      out_dtype: torch.dtype | None = None) -> torch.Tensor | None:
+    """x @ weight.T (+ bias) by `kernels/triton/matmul.py`, whose rows have the same bits at any
+    number of rows (None: not a CUDA tensor it takes; the caller falls back)."""
+    if matmul is None or x.dim() != 2 or not x.is_cuda or not matmul.takes(x, weight):
+        return None
+    return matmul.matmul(x, weight, bias, out_dtype)
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:

@@ -122,7 +122,7 @@ class RemoteSplit:
         dtype = model.norm.weight.dtype
         remote = RemoteStage(self.address, self.key,
                              hello_for(self.split_at, identity, shape.fmt, tables, dtype, cfg.hidden_size,
-                                       self.keep_max),
+                                       self.keep_max, model.batch_invariant),
                              tables, shape.fmt, self.device, self.timeout)
         first = LocalStage(model, local, scale, shape.max_context, graphs)
         stages: list[Stage] = [first, remote]

@@ -20,7 +20,7 @@ from strata.kv.tables import ChunkTables
 from strata.parallel.link import Link
 from strata.parallel.messages import message
 
-PROTOCOL = 1
+PROTOCOL = 2
 
 
 @message("hello")
@@ -37,6 +37,7 @@ class Hello:
     dtype: str  # of the hidden states
     hidden: int
     keep_max: int  # conversation parts the worker is asked to keep (--prompt-cache); 0: none
+    batch_invariant: bool  # the worker's products as the main's (`DecoderModel.set_batch_invariant`)
 
 
 @message("welcome")

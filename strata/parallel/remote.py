@@ -275,7 +275,7 @@ class RemoteStage:
 
 
 def hello_for(first_layer: int, identity: str, fmt: KvFormat, chunks: ChunkTables, dtype: torch.dtype,
-              hidden: int, keep_max: int) -> Hello:
+              hidden: int, keep_max: int, batch_invariant: bool) -> Hello:
     lanes, max_context, chunk, pool_tokens = chunks.geometry()
     return Hello(PROTOCOL, identity, first_layer, fmt.name, lanes, max_context, chunk, pool_tokens,
-                 str(dtype).removeprefix("torch."), hidden, keep_max)
+                 str(dtype).removeprefix("torch."), hidden, keep_max, batch_invariant)

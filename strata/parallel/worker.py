@@ -255,6 +255,7 @@ class StageWorker:
             raise StrataError(limit)
         if loaded.model.max_positions < hello.max_context:
             loaded.model.set_max_positions(hello.max_context)
+        loaded.model.set_batch_invariant(hello.batch_invariant)  # before its graphs are captured
         stage = LocalStage(loaded.model, pool, cfg.attn_scale, hello.max_context, self.graphs)
         nxt = None
         if self.options.next_address is not None:

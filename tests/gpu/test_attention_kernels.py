@@ -155,9 +155,9 @@ def test_quantized_formats_in_fp16_compute(fmt: str) -> None:
 @pytest.mark.parametrize("fmt", ["bf16", "int8", "k8v4"])
 def test_long_context_uses_splits(fmt: str) -> None:
     """One lane at 5,000+ positions: the context is split and the splits combined."""
-    from strata.kernels.triton.decode import plan_splits
+    from strata.kernels.triton.decode import lane_splits
 
-    assert plan_splits(1, HKV, 5000, 132)[1] > 1
+    assert lane_splits(5000) > 1 and lane_splits(300) == 3 and lane_splits(100) == 1
     sc = Scenario(fmt, torch.bfloat16, lanes=2, max_context=6000, seed=2)
     sc.check([SeqSpec(0, 0, 4999), SeqSpec(1, 0, 300)])
     sc.check([SeqSpec(0, 4999, 1), SeqSpec(1, 300, 1)])

@@ -6,8 +6,9 @@
 - greedy tokens for 64 steps through `Engine.complete`: in float32 the same on both devices
   (equal on the tiny model, an expected failure while the kernels' float32 dots run in TF32;
   a long common prefix on the default model); bf16 is reported;
-- batch company: one request's greedy text alone versus among 16 and 64 busy lanes (bf16,
-  measured and printed only: on the GPU a lane's output may depend on its company).
+- batch company: one request's greedy text alone versus among 16 and 64 busy lanes (bf16):
+  byte-identical with the batch-invariant products (`--batch-invariant`, on at several lanes),
+  and, as the negative control, not all identical without them.
 
 The default model is the embedded one; where its package is missing (the device machine:
 files travel there under 64 MiB, the model is 98 MB) STRATA_GPU_DEFAULT_MODEL names a GGUF
@@ -216,8 +217,11 @@ def test_greedy_tokens_match_the_cpu(models: Any, tokenizer: Tokenizer, name: st
 
 
 # ---- batch company ------------------------------------------------------------------------------
-def test_batch_company_measured(models: Any, tokenizer: Tokenizer) -> None:
-    """Greedy bf16 text of each request alone, then among 16 and 64 busy lanes: how many stay identical."""
+@pytest.mark.parametrize("invariant", ["on", "off"])
+def test_batch_company(models: Any, tokenizer: Tokenizer, invariant: str) -> None:
+    """Greedy bf16 text of each request alone, then among 16 and 64 busy lanes: with the
+    batch-invariant products every one is identical (tokens and text); without them (cuBLAS at
+    several rows, the one-row kernels at one) some part, which shows the comparison can fail."""
     loaded = models("default", DEV, torch.bfloat16)
     topics = ["the moon", "bread", "rivers", "a lighthouse", "chess", "winter", "bees", "trains"]
     asks = ["Tell me about {}.", "Write one sentence on {}.", "What is special about {}?",
@@ -226,7 +230,7 @@ def test_batch_company_measured(models: Any, tokenizer: Tokenizer) -> None:
     prompts = [_encode(tokenizer, a.format(t)) for a in asks for t in topics]  # 64 distinct
     params = SamplingParams(max_tokens=32, ignore_eos=True)
     cfg = EngineConfig(device=DEV, weights="dense", parallel=64, max_context=512, kv_chunk=128,
-                       prefix_reuse=False, max_queued=128)
+                       prefix_reuse=False, max_queued=128, batch_invariant=invariant)
     with Engine(cfg, loaded=loaded) as engine:
 
         def together(batch: list[list[int]]) -> list[Any]:
@@ -246,5 +250,10 @@ def test_batch_company_measured(models: Any, tokenizer: Tokenizer) -> None:
         }
     figures["among_16_vs_among_64_first_16_identical"] = sum(
         a.token_ids == b.token_ids for a, b in zip(among[16], among[64][:16]))
-    _say("batch_company/bf16", figures)
+    _say(f"batch_company/bf16/invariant_{invariant}", figures)
     assert all(len(e.token_ids) == params.max_tokens for e in alone + among[16] + among[64])
+    identical = [figures[f"among_{n}"]["identical"] for n in (16, 64)]
+    if invariant == "on":
+        assert identical == [16, 64]
+    else:
+        assert identical != [16, 64]

@@ -16,7 +16,7 @@ from strata.engine.engine import Engine
 from strata.engine.types import SamplingParams
 from strata.errors import StageUnavailable, StrataError
 from strata.parallel.link import connect
-from strata.parallel.protocol import Hello, Refusal
+from strata.parallel.protocol import PROTOCOL, Hello, Refusal
 from strata.parallel.split_pool import SplitPool
 from tests.chat_replay import chat_prompt, concurrent, replay
 from tests.parallel.conftest import KEY
@@ -145,11 +145,11 @@ def test_wrong_key_other_protocol_and_other_model_are_refused(four_layers, tiny_
         _remote(four_layers, bad, w.address)
     link = connect("127.0.0.1", int(w.address.rsplit(":", 1)[1]), KEY.encode(), 10.0)
     try:
-        link.send(Hello(99, "x", 2, "bf16", 1, 512, 32, None, "bfloat16", 64, 0))
+        link.send(Hello(99, "x", 2, "bf16", 1, 512, 32, None, "bfloat16", 64, 0, False))
         reply = link.recv(10)
     finally:
         link.close()
-    assert isinstance(reply, Refusal) and "protocol 99" in reply.reason and "1" in reply.reason
+    assert isinstance(reply, Refusal) and "protocol 99" in reply.reason and str(PROTOCOL) in reply.reason
     other = thread_worker(model=tiny_model_dir)  # two layers of other weights
     with pytest.raises(StrataError, match="other model"):
         _remote(four_layers, key_file, other.address, split_at=1)

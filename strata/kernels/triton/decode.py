@@ -3,10 +3,14 @@
 One program computes the G query heads that share one KV head (grouped-query
 attention: each K/V tile is loaded once for the whole group and multiplied
 as a [G, N] tile on the tensor cores) over one split of the lane's
-positions. Few lanes leave most multiprocessors idle, so the context is then
-split and a second pass combines the splits' partial results through their
-log-sum-exp; with enough lanes there is one split and the first pass writes
-the output itself.
+positions, and a second pass combines the splits' partial results through
+their log-sum-exp, in split order. A lane's splits depend on its own length
+only (`lane_splits`: one per MIN_SPLIT positions, at most MAX_SPLITS), never
+on how many lanes share the step or on the longest of them, so a lane's
+output has the same bits alone, among 64 lanes, eagerly and from a CUDA graph
+(docs/GPU.md, "Exactness on the GPU"). Where no lane of the launch has more
+than one split, the first pass writes the output itself (the same bits: a
+single split's combine is o * 1 / 1).
 
 Q4_0 K and V are read as low and high half tiles (`cells.q4_halves`); in
 bf16 and fp32 compute V's tiles are its codes alone, and each block's d
@@ -39,8 +43,8 @@ from strata.kernels.triton.half import INT8, Q4_0, Half
 
 LOG2E = 1.4426950408889634
 BLOCK_N = 64
-MIN_SPLIT = 128  # positions: a shorter split costs more in the second pass than it saves
-MAX_SPLITS = 64
+MIN_SPLIT = 128  # positions a split covers at least: a shorter one costs more in the second pass
+MAX_SPLITS = 64  # splits of one lane at most (one lane at 8,192 cells and more: 4 KV heads' worth a multiprocessor)
 # registers a thread when K or V is Q4_0, the measured best (H200, 2026-11-30; docs/GPU.md):
 # ptxas's own choice, about 160, leaves three programs per multiprocessor instead of four, and
 # one lane at 32k took 60.6 us a layer instead of 48.9 (q4_0)
@@ -54,12 +58,7 @@ class DecodeConfig:
     block_n: int = BLOCK_N  # positions per tile
     num_warps: int = 4
     num_stages: int = 2
-    per_sm: int = 4  # programs per multiprocessor the context splits aim for
     maxnreg: int | None = None  # registers a thread ptxas may use (None: its choice)
-    # each lane splits its own length over the splits (else: the planned split length);
-    # int8 keeps the planned length: per-lane splits took its kernel from 168 to 212
-    # registers and 1 x 32k from 39.7 to 42.7 us, 64 x 4k from 207 to 243 us (H200)
-    lane_split: bool = True
 
 
 # (K kind, V kind) -> config; `benchmarks.gpu_bench --sweep-decode` times alternatives.
@@ -67,21 +66,27 @@ class DecodeConfig:
 # one lane at 32,768 cells (bf16: 40.8) and 208 us for 64 lanes at 4,096 (bf16: 262), against
 # 47.8 and 384 us with 64-position tiles and three programs per multiprocessor.
 CONFIGS: dict[tuple[int, int], DecodeConfig] = {
-    (INT8, INT8): DecodeConfig(block_n=128, num_warps=4, num_stages=2, per_sm=4, lane_split=False),
+    (INT8, INT8): DecodeConfig(block_n=128, num_warps=4, num_stages=2),
 }
 
 
-@triton.jit(do_not_specialize=["split_len", "num_splits"])  # they change as contexts grow
+@triton.jit
+def _lane_splits(seqlen, MIN: tl.constexpr, MAX: tl.constexpr):
+    """`lane_splits` in a kernel."""
+    return tl.maximum(tl.minimum(tl.cdiv(seqlen, MIN), MAX), 1)
+
+
+@triton.jit(do_not_specialize=["num_splits"])  # it changes as contexts grow
 def _decode_kernel(
     q, out, mid_o, mid_lse, q_rows, sessions, seqlens, tables, t_stride,
     k_data, k_aux, k_sc, k_sh, k_ac, k_ah,
     v_data, v_aux, v_sc, v_sh, v_ac, v_ah,
-    qk_scale, sq_t, sq_h, so_t, so_h, num_heads, split_len, num_splits,
+    qk_scale, sq_t, sq_h, so_t, so_h, num_heads, num_splits,
     G: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_D: tl.constexpr, CHUNK: tl.constexpr, K_KIND: tl.constexpr, V_KIND: tl.constexpr,
     DIRECT: tl.constexpr, IEEE: tl.constexpr, FOLD_V: tl.constexpr, ROTATE: tl.constexpr,
     ROT_SCALE: tl.constexpr, EXPAND: tl.constexpr, BLOCK_R: tl.constexpr,
-    V_BIAS: tl.constexpr, LANE_SPLIT: tl.constexpr,
+    V_BIAS: tl.constexpr, MIN_SPLIT: tl.constexpr, MAX_SPLITS: tl.constexpr,
 ):
     # Long: one loop's state (the running max, sums and accumulators per format) in one body.
     # Q4_0 K / V come as low and high half tiles (`q4_halves`).
@@ -100,12 +105,11 @@ def _decode_kernel(
     seqlen = tl.load(seqlens + lane).to(tl.int32)
     session = tl.load(sessions + lane).to(tl.int64)
     row = tl.load(q_rows + lane).to(tl.int64)
-    if LANE_SPLIT:
-        # Each lane spreads its own length over the launched splits in whole tiles: a graph
-        # plans its splits for the pool's longest context, and a short context then still
-        # runs on many programs of one tile each instead of a few that loop.
-        split_len = tl.cdiv(seqlen, num_splits * BLOCK_N) * BLOCK_N
-    lo = split * split_len
+    # the lane's own splits, in whole tiles; programs past them have nothing to read (lo >= hi),
+    # and the combine pass reads the lane's own splits only
+    own = _lane_splits(seqlen, MIN_SPLIT, MAX_SPLITS)
+    split_len = tl.cdiv(seqlen, own * BLOCK_N) * BLOCK_N
+    lo = tl.minimum(split * split_len, seqlen)
     hi = tl.minimum(lo + split_len, seqlen)
 
     offs_r = tl.arange(0, BLOCK_R)  # == offs_g unless EXPAND
@@ -220,23 +224,28 @@ def _decode_kernel(
 
 @triton.jit(do_not_specialize=["num_splits"])
 def _combine_kernel(
-    mid_o, mid_lse, out, q_rows, so_t, so_h, num_heads, num_splits,
-    HEAD_DIM: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr,
+    mid_o, mid_lse, out, q_rows, seqlens, so_t, so_h, num_heads, num_splits,
+    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, MIN_SPLIT: tl.constexpr,
+    MAX_SPLITS: tl.constexpr,
 ):
+    # the lane's own splits, summed one after another: the order depends on its length alone
     lane = tl.program_id(0)
     head = tl.program_id(1)
     row = tl.load(q_rows + lane).to(tl.int64)
-    offs_s = tl.arange(0, BLOCK_S)
+    own = _lane_splits(tl.load(seqlens + lane).to(tl.int32), MIN_SPLIT, MAX_SPLITS)
     offs_d = tl.arange(0, BLOCK_D)
-    smask = offs_s < num_splits
     dmask = offs_d < HEAD_DIM
-    slot = (lane * num_heads + head) * num_splits + offs_s
-    lse = tl.load(mid_lse + slot, mask=smask, other=float("-inf"))
-    w = tl.exp2(lse - tl.max(lse, 0))  # an empty split has lse -inf: weight 0
-    o = tl.load(mid_o + slot[:, None] * HEAD_DIM + offs_d[None, :],
-                mask=smask[:, None] & dmask[None, :], other=0.0)
-    res = tl.sum(w[:, None] * o, 0) / tl.sum(w, 0)
-    tl.store(out + row * so_t + head * so_h + offs_d, res.to(out.dtype.element_ty), mask=dmask)
+    base = (lane * num_heads + head) * num_splits
+    top = tl.load(mid_lse + base)
+    for s in range(1, own):
+        top = tl.maximum(top, tl.load(mid_lse + base + s))
+    num = tl.zeros([BLOCK_D], tl.float32)
+    den = 0.0
+    for s in range(0, own):
+        w = tl.exp2(tl.load(mid_lse + base + s) - top)  # an empty split has lse -inf: weight 0
+        num += w * tl.load(mid_o + (base + s) * HEAD_DIM + offs_d, mask=dmask, other=0.0)
+        den += w
+    tl.store(out + row * so_t + head * so_h + offs_d, (num / den).to(out.dtype.element_ty), mask=dmask)
 
 
 @dataclass(frozen=True)
@@ -249,26 +258,17 @@ class DecodeBatch:
     max_len: int  # host copy of max(seqlens), to size the splits
 
 
-def plan_splits(lanes: int, kv_heads: int, max_len: int, sms: int, block_n: int = BLOCK_N,
-                per_sm: int = 4) -> tuple[int, int]:
-    """(split length, number of splits): enough programs for `per_sm` per multiprocessor.
-
-    One program streams its split's K/V one tile at a time, so the loads in
-    flight per multiprocessor, and with them the bandwidth, grow with the
-    programs resident on it.
-    """
-    base = lanes * kv_heads
-    if base >= per_sm * sms or max_len <= MIN_SPLIT:
-        return max(max_len, 1), 1
-    want = min(MAX_SPLITS, -(-per_sm * sms // base))
-    split = max(MIN_SPLIT, -(-max_len // want))
-    split = -(-split // block_n) * block_n
-    return split, -(-max_len // split)
+def lane_splits(length: int) -> int:
+    """Splits of a lane attending over `length` cells: one per MIN_SPLIT positions, at most
+    MAX_SPLITS. A function of the lane's own length, so its sums never depend on its company;
+    one lane at 8,192 cells and more runs 64 programs a KV head, enough to stream K/V at full
+    bandwidth (one program reads its split one tile at a time)."""
+    return max(1, min(MAX_SPLITS, -(-length // MIN_SPLIT)))
 
 
 def decode_attention(
     q: torch.Tensor, out: torch.Tensor, batch: DecodeBatch, k: Half, v: Half,
-    tables: torch.Tensor, chunk: int, scale: float, sms: int, rotate_v: bool = False,
+    tables: torch.Tensor, chunk: int, scale: float, rotate_v: bool = False,
 ) -> None:
     """Write attention for the lanes' query rows of `q` [T, Hq, D] into the same rows of `out`.
 
@@ -287,7 +287,7 @@ def decode_attention(
     maxnreg = cfg.maxnreg
     if maxnreg is None and Q4_0 in (k.kind, v.kind):
         maxnreg = Q4_0_MAXNREG
-    split_len, splits = plan_splits(lanes, hkv, batch.max_len, sms, cfg.block_n, cfg.per_sm)
+    splits = lane_splits(batch.max_len)  # launched: the longest lane's; each lane runs its own
     direct = splits == 1
     if direct:
         mid_o = mid_lse = out  # unused
@@ -307,7 +307,7 @@ def decode_attention(
         q, out, mid_o, mid_lse, batch.q_rows, batch.sessions, batch.seqlens, tables,
         tables.stride(0), *k.args(), *v.args(),
         scale * LOG2E, q.stride(0), q.stride(1), out.stride(0), out.stride(1), hq,
-        split_len, splits, LANE_SPLIT=cfg.lane_split,
+        splits, MIN_SPLIT=MIN_SPLIT, MAX_SPLITS=MAX_SPLITS,
         G=g, HEAD_DIM=d, BLOCK_G=block_g, BLOCK_N=cfg.block_n,
         BLOCK_D=block_d, CHUNK=chunk, K_KIND=k.kind, V_KIND=v.kind, DIRECT=direct,
         IEEE=q.dtype == torch.float32, FOLD_V=fold_v, ROTATE=rotate_v,
@@ -317,6 +317,7 @@ def decode_attention(
     )
     if not direct:
         _combine_kernel[(lanes, hq)](
-            mid_o, mid_lse, out, batch.q_rows, out.stride(0), out.stride(1), hq, splits,
-            HEAD_DIM=d, BLOCK_S=triton.next_power_of_2(splits), BLOCK_D=block_d, num_warps=4,
+            mid_o, mid_lse, out, batch.q_rows, batch.seqlens, out.stride(0), out.stride(1), hq,
+            splits, HEAD_DIM=d, BLOCK_D=block_d, MIN_SPLIT=MIN_SPLIT, MAX_SPLITS=MAX_SPLITS,
+            num_warps=4,
         )
