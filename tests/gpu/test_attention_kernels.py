@@ -218,3 +218,43 @@ def test_backend_for_picks_kernels_on_cuda_and_reference_on_cpu() -> None:
     assert backend_for(cpu) is TableAttention
     assert backend_for(KvPool(make_format("fp32", HKV, D), 1, 1, 64, CHUNK, None, DEV)) \
         is GpuTableAttention
+
+
+@pytest.mark.parametrize("fmt", ["bf16", "int8", "k8v4"])
+def test_decode_rows_do_not_depend_on_their_company(fmt: str) -> None:
+    """A lane's decode output has the same bits alone, among lanes of other lengths (short and
+    long ones, which change how many splits the launch has), and planned for a longer context
+    (as a CUDA graph plans for the pool's longest); a negative control: one changed cell of the
+    lane's own K changes its output."""
+    from strata.attention.triton_pool import _layer_halves
+    from strata.kernels.triton.decode import DecodeBatch, decode_attention
+
+    lanes = 6
+    lengths = [300, 5000, 40, 129, 2048, 1] if not INTERPRET else [300, 700, 40, 129, 260, 1]
+    pool = KvPool(make_format(fmt, HKV, D), 1, lanes, max(lengths) + 64, CHUNK, None, DEV)
+    gen = torch.Generator(device=DEV).manual_seed(11)
+    for lane, n in enumerate(lengths):
+        assert pool.reserve(lane, n + 1)
+        k = torch.randn(n, HKV, D, generator=gen, device=DEV).to(torch.bfloat16)
+        pool.write(0, pool.cells_of_range(lane, 0, n), k, torch.randn_like(k))
+    q = torch.randn(lanes, HQ, D, generator=gen, device=DEV).to(torch.bfloat16)
+
+    def attend(which: list[int], plan_for: int | None = None) -> torch.Tensor:
+        ctx = GpuTableAttention(pool, [SeqSpec(i, lengths[i] - 1, 1) for i in which], D**-0.5)
+        if plan_for is not None:
+            d = ctx.decode
+            ctx.decode = DecodeBatch(d.q_rows, d.sessions, d.seqlens, plan_for)
+        out = torch.empty(len(which), HQ, D, device=DEV, dtype=torch.bfloat16)
+        khalf, vhalf = _layer_halves(pool, 0)  # the kernel alone: it reads the cells, writes none
+        decode_attention(q[which].contiguous(), out, ctx.decode, khalf, vhalf, pool.tables_device,
+                         pool.chunk_size, D**-0.5, ctx.rotate_v)
+        return out
+
+    every = attend(list(range(lanes)))
+    for i in range(lanes):
+        assert torch.equal(attend([i])[0], every[i]), i
+        assert torch.equal(attend([i], plan_for=max(lengths) * 4)[0], every[i]), i
+    before = attend([0])[0]
+    k = torch.randn(1, HKV, D, generator=gen, device=DEV).to(torch.bfloat16)
+    pool.write(0, pool.cells_of_range(0, 7, 8), k, k)
+    assert not torch.equal(attend([0])[0], before)
