@@ -252,10 +252,6 @@ class Engine:
         drafter = config.spec_model or self.spec_model is not None
         if spec.n == 0 or not (config.suffix_draft or drafter):
             return None
-        if self.states is not None:
-            raise BadRequest(f"--spec: {self.model_name} has recurrent or sliding-window layers, whose "
-                             "state cannot be rolled back past rejected drafts yet; run it without --spec",
-                             "spec")
         proposers: list[Proposer] = []
         if config.suffix_draft:
             proposers.append(SuffixProposer(SharedCorpus(spec.shared_tokens), spec.min_p))
@@ -673,7 +669,8 @@ class Engine:
 
         Each token goes through `_accept` (stops, limits, events) as if decoded alone; rows past
         the first mismatch are never sampled, so a seeded request draws the same noise as
-        without drafts. Rejected drafts' K/V lies past `lane.tokens`: rolled back by length."""
+        without drafts. Rejected drafts' K/V lies past `lane.tokens`: rolled back by length; a
+        state model's layer state goes back to after the last kept row (`StatePool.rewind`)."""
         drafts = lane.take_drafts()
         rows = logits[row : row + len(drafts) + 1]
         ids = rows.argmax(dim=-1).tolist() if plain_greedy(req) else None  # one sync for the run
@@ -685,6 +682,8 @@ class Engine:
                 break
             lane.keep_pending()  # the draft (now the pending token) was fed: its K/V is in the pool
             accepted += 1
+        if self.states is not None:  # the pending token and the accepted drafts stay
+            self.states.rewind(lane.index, accepted + 1)
         self.speculator.verified(req, len(drafts), accepted)  # type: ignore[union-attr]
 
     def _one(self, req: Request, logits: torch.Tensor) -> tuple[int, Any]:

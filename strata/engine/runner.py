@@ -77,8 +77,10 @@ class Runner:
             rows = [0]
             for s in seqs[:-1]:
                 rows.append(rows[-1] + s.n)
+            # a run that samples all its rows (more than one) verifies drafts: its state after
+            # each row is kept until the verification says how many stay (`StatePool.rewind`)
             states = self.states.step([(r, s.n) for r, s in zip(rows, seqs)], [s.lane for s in seqs],
-                                      [s.start == 0 for s in seqs])
+                                      [s.start == 0 for s in seqs], [w > 1 for w in sample])
             hidden = self.model(input_ids, positions.to(self.device), ctx, states=states)
         rows = sampled_rows(seqs, sample)
         if not rows:

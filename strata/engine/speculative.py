@@ -8,6 +8,8 @@ draft at its place. The first token that differs (or the one after the last
 draft) is the lane's next pending token, so every step still yields at least
 one token. Rejected drafts are rolled back by length: their K/V stays in
 cells past the lane's tokens and is overwritten by the next step, no copy.
+A model's recurrent or window state goes back to the state after the last
+kept row, which the verified run kept for each of its rows (`kv/state.py`).
 
 Sampling row by row with the request's own generator, stopping at the first
 mismatch, draws exactly the noise a run without drafts would draw for the
