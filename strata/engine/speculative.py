@@ -19,8 +19,9 @@ acceptance test against a point mass, so greedy and seeded output are the
 same tokens as without speculation wherever the forward's rows do not depend
 on their company (the CPU path; docs/SPECULATIVE.md).
 
-Proposers sit behind `Proposer`: today the suffix proposer (drafts from the
-conversation and from finished ones, `suffix.py`). Each lane's draft length
+Proposers sit behind `Proposer`: the suffix proposer (drafts from the
+conversation and from finished ones, `suffix.py`), the model's own MTP head
+(`mtp.py`) and a draft model (`draft_model.py`), asked in that order. Each lane's draft length
 adapts: it grows while drafts are accepted whole and shrinks to what was
 accepted, and a lane whose drafts keep failing pauses drafting for a while,
 so open text, where drafts rarely hold, costs little.
