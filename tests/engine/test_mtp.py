@@ -133,18 +133,26 @@ def test_mtp_drafts_never_change_the_answer(folder: Path) -> None:
 
 
 def test_a_later_turn_drafts_from_entries_kept_with_the_conversation(folder: Path) -> None:
-    """The head's entries are K/V of the lane: a second turn continues them (no re-read), and its
-    answer with MTP drafts equals the one without."""
+    """The head's entries are K/V of the lane: parked with the conversation and restored for its
+    second turn (no re-read), whose answer with MTP drafts equals the one without."""
     greedy = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)
     outs = {}
     for spec, flags in ((0, {}), (3, {"mtp": True, "suffix_draft": False})):
         cfg = EngineConfig(model=str(folder), device="cpu", dtype="bfloat16", weights="dense", max_context=128,
-                           parallel=1, spec=spec, **flags)
+                           parallel=1, spec=spec, prompt_cache=2, **flags)
         with Engine(cfg) as eng:
             first = eng.complete(PROMPT, greedy)
+            n = len(PROMPT) + len(first.token_ids) - 1  # the tokens the lane holds
+            kept = _head_kv(eng, n) if spec else []
+            eng.complete(PROMPT[5:], greedy)  # one lane: the first conversation is parked, entries too
+            other = _head_kv(eng, n) if spec else []
             second = eng.complete(PROMPT + first.token_ids + [9, 10, 11], greedy)
-            outs[spec] = (first.token_ids, second.token_ids, second.cached_tokens)
-    assert outs[3] == outs[0] and outs[3][2] > len(PROMPT)
+            back = _head_kv(eng, n) if spec else []
+            outs[spec] = (first.token_ids, second.token_ids, second.cached_tokens,
+                          eng.stats()["conversation_restores"])
+    assert outs[3] == outs[0] and outs[3][2] == n and outs[3][3] == 1
+    assert all(torch.equal(a, b) for a, b in zip(kept, back))  # the entries came back, bit for bit
+    assert not all(torch.equal(a, b) for a, b in zip(kept, other))  # negative control: another's
 
 
 def _head_kv(eng: Engine, n: int) -> list[torch.Tensor]:

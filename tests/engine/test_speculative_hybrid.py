@@ -201,3 +201,24 @@ def test_seeded_sampling_draws_the_same_tokens(folder: Path, temperature: float,
     drafted, stats, _ = _run(folder, 6, [greedy, sampled], parallel=4)
     assert drafted == plain
     assert stats["speculation"]["drafted_tokens"] > 0
+
+
+def test_turns_with_checkpoints_and_parking_match(folder: Path) -> None:
+    """Three conversations through two lanes (parked and restored with their states), each
+    repeated (a regenerate: from the checkpoint before its prompt's end, drafting from its first
+    answer) and continued for a second turn (from the whole state): the same answers and the
+    same reuse with drafts as without."""
+    greedy = _greedy(24)
+    outs = {}
+    for spec in (0, 4):
+        cfg = EngineConfig(model=str(folder), device="cpu", dtype="bfloat16", weights="dense", max_context=256,
+                           parallel=2, spec=spec, prompt_cache=4)
+        with Engine(cfg) as eng:
+            first = [eng.complete(_prompt(i), greedy) for i in range(3)]
+            again = [eng.complete(_prompt(i), greedy) for i in range(3)]
+            second = [eng.complete(_prompt(i) + first[i].token_ids + REPEATED[:8], greedy) for i in range(3)]
+            results = [[r.token_ids for r in rs] for rs in (first, again, second)]
+            outs[spec] = (results, [r.cached_tokens for r in again + second], eng.stats())
+    assert outs[4][:2] == outs[0][:2]
+    assert all(c > 0 for c in outs[4][1])  # every repeat and second turn resumed
+    assert outs[4][2]["conversation_parks"] > 0 and outs[4][2]["speculation"]["accepted_tokens"] > 0
