@@ -27,6 +27,7 @@ bit for bit the state of a run that never saw the rejected tokens.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -40,17 +41,18 @@ StateDtypes = dict[str, torch.dtype]  # state name -> dtype, where it is not flo
 class RunStates:
     """One layer's state after each row of one verified run (speculative decoding).
 
-    after[name] is [n, *shape]: the whole per-lane state after each of the run's n rows; or,
-    where cells[name] is given, [n, len(cells), *rest]: the values of those entries along the
-    state's first dimension (a window ring's slots that the run wrote), the rest untouched.
+    after[name][j] is the whole per-lane state after the run's row j (n rows: a tensor [n, *shape]
+    or a list of n tensors, which a recurrent layer's loop made anyway: no copy); or, where
+    cells[name] is given, [n, len(cells), *rest]: the values of those entries along the state's
+    first dimension (a window ring's slots that the run wrote), the rest untouched.
     """
 
-    after: dict[str, torch.Tensor]
+    after: dict[str, Sequence[torch.Tensor]]
     cells: dict[str, torch.Tensor] | None = None
 
     @property
     def rows(self) -> int:
-        return next(iter(self.after.values())).shape[0]
+        return len(next(iter(self.after.values())))
 
 
 class StateContext(Protocol):

@@ -257,7 +257,7 @@ class GatedDeltaNet(nn.Module):
                 convs.append(c[0])
                 ssms.append(s[0])
             conv[i], ssm[i] = c[0], s[0]
-            after[i] = RunStates({"conv": torch.stack(convs), "ssm": torch.stack(ssms)})
+            after[i] = RunStates({"conv": convs, "ssm": ssms})
         return out, conv, ssm, after
 
     def mix_spans_fla(self, mixed: torch.Tensor, b: torch.Tensor, a: torch.Tensor, conv: torch.Tensor,
