@@ -119,6 +119,10 @@ def test_spec_values(argv: list[str], spec: int) -> None:
     assert config_of(*argv).spec == spec
 
 
+def test_mtp_is_off_unless_asked() -> None:
+    assert not config_of("--spec", "4").mtp and config_of("--spec", "4", "--mtp").mtp
+
+
 def test_bad_value_is_refused_by_main_before_any_load(capsys) -> None:
     with pytest.raises(SystemExit) as exit_info:
         main(["generate", "--kv", "q8_0", "hello"])
