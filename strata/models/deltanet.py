@@ -241,7 +241,7 @@ class GatedDeltaNet(nn.Module):
                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, dict[int, RunStates]]:
         """`mix_spans_torch` for a step with verified runs of drafts (`runs[i]`): each run's rows
         are computed one at a time, the arithmetic of decoding them one a step, and its state
-        after every row comes back (run index -> states [n, ...]) so the rows verification
+        after every row comes back (run index -> its states, row by row) so the rows verification
         rejects can be undone (`StatePool.rewind`)."""
         plain = [(start, 0) if run else (start, n) for (start, n), run in zip(spans, runs)]
         out, conv, ssm = self.mix_spans_torch(mixed, b, a, conv, ssm, plain)  # 0 rows: untouched
