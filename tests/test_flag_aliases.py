@@ -102,6 +102,9 @@ def test_part_of_the_layers_on_the_gpu_is_refused_in_one_line() -> None:
     (["--spec", "lots"], ["--spec", "auto, off or a count"]),
     (["--spec-min-p", "1.5"], ["--spec-min-p", "from 0 to 1"]),
     (["--suffix-draft", "2"], ["--suffix-draft", "0, 1"]),
+    (["--mtp"], ["--mtp", "give --spec N"]),
+    (["--mtp", "--spec", "4", "--kv-resident", "64"], ["--mtp with --kv-resident"]),
+    (["--mtp", "--spec", "4", "--gpus", "cpu,cpu"], ["--mtp with a layer split"]),
 ])
 def test_bad_value_fails_while_parsing_in_one_line(capsys, argv: list[str], words: list[str]) -> None:
     line = usage_error(capsys, "serve", *argv)
@@ -114,6 +117,10 @@ def test_bad_value_fails_while_parsing_in_one_line(capsys, argv: list[str], word
                                         (["--spec", "6"], 6)])
 def test_spec_values(argv: list[str], spec: int) -> None:
     assert config_of(*argv).spec == spec
+
+
+def test_mtp_is_off_unless_asked() -> None:
+    assert not config_of("--spec", "4").mtp and config_of("--spec", "4", "--mtp").mtp
 
 
 def test_bad_value_is_refused_by_main_before_any_load(capsys) -> None:

@@ -67,6 +67,7 @@ class EngineConfig:
     spec_min_p: float = 0.0  # a draft stops before a token whose confidence is below this
     suffix_draft: bool = True  # the suffix proposer: drafts from the conversation and finished ones
     spec_model: str | None = None  # a small model with the same tokenizer drafting greedily
+    mtp: bool = False  # the model's multi-token-prediction head drafts (engine/mtp.py); needs spec
 
 
 DEFAULT_KV_CHUNK = 4096
@@ -193,9 +194,26 @@ def device_of_gpu_layers(device: str, layers: int | None) -> str:
     return device
 
 
+def mtp_flag_error(mtp: bool, spec: int, kv_resident: int | None, split: bool) -> str | None:
+    """Why --mtp cannot go with the other flags, or None: its drafts need --spec, and its layer's
+    K/V are neither streamed nor split."""
+    if mtp and split:
+        return "--mtp with a layer split (--gpus, --remote-stage) is not supported yet"
+    if mtp and spec <= 0:
+        return "--mtp drafts for speculative decoding: give --spec N (or auto) too"
+    if mtp and kv_resident is not None:
+        return "--mtp with --kv-resident is not supported yet: the MTP layer's K/V are not streamed"
+    return None
+
+
 def engine_overrides(ns: argparse.Namespace) -> dict[str, str]:
     """The EngineConfig values llama-server's spellings decide (--kv from -ctk/-ctv, --device from
-    -ngl), computed from the parsed flags without changing them."""
+    -ngl), computed from the parsed flags without changing them; ValueError for flags that
+    contradict each other."""
+    error = mtp_flag_error(getattr(ns, "mtp", False), getattr(ns, "spec", 0), getattr(ns, "kv_resident", None),
+                           getattr(ns, "gpus", None) is not None or getattr(ns, "remote_stage", None) is not None)
+    if error is not None:
+        raise ValueError(error)
     return {"kv": kv_of_cache_types(getattr(ns, "kv", EngineConfig.kv), getattr(ns, "cache_type_k", None),
                                     getattr(ns, "cache_type_v", None)),
             "device": device_of_gpu_layers(getattr(ns, "device", EngineConfig.device),
@@ -290,6 +308,9 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
     sp.add_argument("--spec-model", "--model-draft", "-md", dest="spec_model", default=d.spec_model,
                     metavar="FILE", help="a small model with the same tokenizer (.gguf or folder) that "
                                          "drafts greedily where the suffix proposer has nothing")
+    sp.add_argument("--mtp", action="store_true", default=d.mtp,
+                    help="draft with the model's multi-token-prediction head (Qwen3-Next folders that "
+                         "carry mtp.* weights) where the suffix proposer has nothing; needs --spec")
     e = parser.add_argument_group("mixture of experts (docs/MOE.md)")
     e.add_argument("--experts-on", default=d.experts_on, choices=["device", "host"],
                    help="where a MoE model's routed experts live: device (all resident) or host "

@@ -26,6 +26,7 @@ from strata.engine.config import (
     check_gpu_layers,
     describe_pool,
     expert_slots,
+    mtp_flag_error,
     pool_chunk_size,
     split_of,
 )
@@ -35,6 +36,7 @@ from strata.engine.conversation_cache import ConversationCache
 from strata.engine.draft_model import DraftModelProposer, check_same_vocabulary
 from strata.engine.grammar import Grammars
 from strata.engine.masks import GrammarMasks
+from strata.engine.mtp import MtpProposer, mtp_pool_layers
 from strata.engine.parking import Parking
 from strata.engine.pipeline import Launched, continuation, plain_greedy
 from strata.engine.request import Request, RequestHandle
@@ -113,6 +115,10 @@ class Engine:
                              f"tokens, not {config.max_context}", "max_context")
         if config.threads is not None and config.threads < 1:
             raise BadRequest(f"--threads must be at least 1, got {config.threads}", "threads")
+        mtp_error = mtp_flag_error(config.mtp, config.spec, config.kv_resident,
+                                   config.gpus is not None or config.remote_stage is not None)
+        if mtp_error is not None:
+            raise BadRequest(mtp_error, "mtp")
         self._inbox: deque[Request] = deque()
         self._calls: deque[tuple[Callable[[], Any], Future]] = deque()
         self._lock = threading.Lock()
@@ -195,6 +201,8 @@ class Engine:
                          st.get("device") or st.get("address"), st.get("kv_bytes", 0) / 2**20)
         else:  # K/V in (pinned) host RAM with --kv-resident, N cells per layer on the device
             pool_layers = self.loaded.model.pool_layers()  # not the layers with fixed-size state
+            if config.mtp:  # the MTP head's layer keeps its K/V beside the model's
+                pool_layers += mtp_pool_layers(self.loaded.model, self.model_name)
             self.pool = part_on(shape, pool_layers, self.device, None)
             if slots is not None:  # the experts take what the pool leaves
                 self._cache_experts(slots)
@@ -204,7 +212,7 @@ class Engine:
             self.runner = Runner(self.loaded.model, self.pool, mc.attn_scale, self.device,
                                  graphs=graph_safe(self.loaded.model), states=self.states,
                                  windowed=any(mc.window(i) is not None for i in pool_layers),
-                                 rows_per_lane=1 + max(config.spec, 0))
+                                 rows_per_lane=1 + max(config.spec, 0), keep_hidden=config.mtp)
             if self.device.type == "cpu":  # a step's time is its threads' work: the governor can judge
                 self.cpu_threads.govern()
         log.info("%s", self.cpu_threads.describe())
@@ -236,6 +244,8 @@ class Engine:
         self.pipeline = config.pipeline == "on" or (config.pipeline == "auto" and self.runner.graphs is not None)
         if self.states is not None:  # a wasted step would carry the state past the lane's tokens
             self.pipeline = False
+        self.mtp = (MtpProposer(self.loaded.model, self.pool, self.runner.context, mc.attn_scale,
+                                config.spec_min_p) if config.mtp else None)  # fed after every step
         self.speculator = self._speculator()
         if self.speculator is not None:  # a draft needs the last token on the host to be proposed
             self.pipeline = False
@@ -246,23 +256,21 @@ class Engine:
         self.masks = GrammarMasks(self.grammars.vocab_size, pin=self.device.type == "cuda")
 
     def _speculator(self) -> Speculator | None:
-        """--spec N: drafts for decoding lanes (speculative.py) from the suffix proposer and the
-        --spec-model, in that order; None when off."""
+        """--spec N: drafts for decoding lanes (speculative.py) from the suffix proposer, the
+        model's MTP head (--mtp) and the --spec-model, in that order; None when off."""
         config = self.config
         if config.spec < 0 or not 0.0 <= config.spec_min_p <= 1.0:
             raise BadRequest("--spec must be at least 0 and --spec-min-p in [0, 1]", "spec")
         spec = SpecConfig(config.spec, config.spec_min_p,
                           step_rows=STEP_ROWS.get(self.device.type, STEP_ROWS["cuda"]))
         drafter = config.spec_model or self.spec_model is not None
-        if spec.n == 0 or not (config.suffix_draft or drafter):
+        if spec.n == 0 or not (config.suffix_draft or drafter or self.mtp is not None):
             return None
-        if self.states is not None:
-            raise BadRequest(f"--spec: {self.model_name} has recurrent or sliding-window layers, whose "
-                             "state cannot be rolled back past rejected drafts yet; run it without --spec",
-                             "spec")
         proposers: list[Proposer] = []
         if config.suffix_draft:
             proposers.append(SuffixProposer(SharedCorpus(spec.shared_tokens), spec.min_p))
+        if self.mtp is not None:
+            proposers.append(self.mtp)
         if drafter:
             draft = self.spec_model or load_model(config.spec_model, str(self.device), config.dtype,
                                                   weights=config.weights)
@@ -539,6 +547,8 @@ class Engine:
     def _complete(self, launched: Launched) -> None:
         try:
             self._postprocess(launched)
+            if self.mtp is not None:  # the MTP head reads the rows the step kept
+                self.mtp.ingest(launched.step, launched.reqs, self.runner.hidden)
         except Exception as e:  # fail this step's requests; the engine keeps serving
             self._fail_step(launched.step, e)
 
@@ -678,7 +688,8 @@ class Engine:
 
         Each token goes through `_accept` (stops, limits, events) as if decoded alone; rows past
         the first mismatch are never sampled, so a seeded request draws the same noise as
-        without drafts. Rejected drafts' K/V lies past `lane.tokens`: rolled back by length."""
+        without drafts. Rejected drafts' K/V lies past `lane.tokens`: rolled back by length; a
+        state model's layer state goes back to after the last kept row (`StatePool.rewind`)."""
         drafts = lane.take_drafts()
         rows = logits[row : row + len(drafts) + 1]
         ids = rows.argmax(dim=-1).tolist() if plain_greedy(req) else None  # one sync for the run
@@ -690,6 +701,8 @@ class Engine:
                 break
             lane.keep_pending()  # the draft (now the pending token) was fed: its K/V is in the pool
             accepted += 1
+        if self.states is not None:  # the pending token and the accepted drafts stay
+            self.states.rewind(lane.index, accepted + 1)
         self.speculator.verified(req, len(drafts), accepted)  # type: ignore[union-attr]
 
     def _one(self, req: Request, logits: torch.Tensor) -> tuple[int, Any]:

@@ -22,15 +22,19 @@ def graphs_factory() -> type | None:
 class Runner:
     def __init__(self, model: torch.nn.Module, pool: KvPool, scale: float, device: torch.device,
                  graphs: bool = True, states: StatePool | None = None, windowed: bool = False,
-                 rows_per_lane: int = 1) -> None:
+                 rows_per_lane: int = 1, keep_hidden: bool = False) -> None:
         """states: a recurrent model's per-lane state (`kv/state.py`); its steps run eagerly.
         windowed: a pool layer attends within a sliding window (`select.backend_for`).
-        rows_per_lane: 1 + the most drafts a lane verifies in a step (graphs are sized for them)."""
+        rows_per_lane: 1 + the most drafts a lane verifies in a step (graphs are sized for them).
+        keep_hidden: keep an eager step's final hidden states, every row, in `hidden` (the MTP
+        head reads them: engine/mtp.py)."""
         self.model = model
         self.states = states
         self.pool = pool
         self.scale = scale
         self.device = device
+        self.keep_hidden = keep_hidden
+        self.hidden: torch.Tensor | None = None  # the last eager step's, with keep_hidden
         self.context = backend_for(pool, windowed)  # the attention backend of every step (attention/select.py)
         self.graphs = None  # CUDA graphs of decode steps (prompt reading stays eager)
         if graphs and states is None and graphs_possible(self.context):
@@ -58,12 +62,14 @@ class Runner:
         launched without waiting for the previous one to finish.
         """
         if self.graphs is not None and self.graphs.supports(seqs, [True] * len(seqs)):
+            self.hidden = None
             return self.graphs.forward(seqs, [0] * len(seqs), device_ids=ids)
         return self.forward(seqs, ids.tolist(), [True] * len(seqs))
 
     @torch.inference_mode()
     def forward(self, seqs: list[SeqSpec], tokens: list[int], sample: list[int]) -> torch.Tensor:
         """Logits (float32) of the rows `sampled_rows(seqs, sample)` names, in order."""
+        self.hidden = None  # a captured graph's step keeps none
         if self.graphs is not None:
             rows = self.graphs.rows_of(seqs, sample)  # drafts verified as decode rows
             if rows is not None and self.graphs.supports(rows, [1] * len(rows)):
@@ -77,9 +83,12 @@ class Runner:
             rows = [0]
             for s in seqs[:-1]:
                 rows.append(rows[-1] + s.n)
+            # a run that samples all its rows (more than one) verifies drafts: its state after
+            # each row is kept until the verification says how many stay (`StatePool.rewind`)
             states = self.states.step([(r, s.n) for r, s in zip(rows, seqs)], [s.lane for s in seqs],
-                                      [s.start == 0 for s in seqs])
+                                      [s.start == 0 for s in seqs], [w > 1 for w in sample])
             hidden = self.model(input_ids, positions.to(self.device), ctx, states=states)
+        self.hidden = hidden if self.keep_hidden else None
         rows = sampled_rows(seqs, sample)
         if not rows:
             return torch.empty(0, device=self.device)

@@ -8,6 +8,8 @@ draft at its place. The first token that differs (or the one after the last
 draft) is the lane's next pending token, so every step still yields at least
 one token. Rejected drafts are rolled back by length: their K/V stays in
 cells past the lane's tokens and is overwritten by the next step, no copy.
+A model's recurrent or window state goes back to the state after the last
+kept row, which the verified run kept for each of its rows (`kv/state.py`).
 
 Sampling row by row with the request's own generator, stopping at the first
 mismatch, draws exactly the noise a run without drafts would draw for the
@@ -17,8 +19,9 @@ acceptance test against a point mass, so greedy and seeded output are the
 same tokens as without speculation wherever the forward's rows do not depend
 on their company (the CPU path; docs/SPECULATIVE.md).
 
-Proposers sit behind `Proposer`: today the suffix proposer (drafts from the
-conversation and from finished ones, `suffix.py`). Each lane's draft length
+Proposers sit behind `Proposer`: the suffix proposer (drafts from the
+conversation and from finished ones, `suffix.py`), the model's own MTP head
+(`mtp.py`) and a draft model (`draft_model.py`), asked in that order. Each lane's draft length
 adapts: it grows while drafts are accepted whole and shrinks to what was
 accepted, and a lane whose drafts keep failing pauses drafting for a while,
 so open text, where drafts rarely hold, costs little.

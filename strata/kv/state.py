@@ -14,16 +14,45 @@ put the state after them.
 The state of a lane always belongs to exactly the lane's tokens: unlike a
 prefix of K/V it cannot be cut back, which is why prefix reuse of such a
 model resumes only from the lane's full length or from a checkpoint.
+
+Speculative decoding feeds a lane's drafts as one run of rows and keeps
+only those verification accepts. A step marks such runs (`runs`); a layer
+computes a run's rows as consecutive decode rows (the arithmetic of
+decoding them one a step) and hands over its state after every row
+(`keep_run`: the whole state, or for a window ring the slots the run
+wrote). The pool holds those until the verification, and `rewind` puts a
+lane whose drafts were rejected back to the state after its last kept row,
+bit for bit the state of a run that never saw the rejected tokens.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Protocol
 
 import torch
 
 StateShapes = dict[str, tuple[int, ...]]  # state name -> per-lane shape
 StateDtypes = dict[str, torch.dtype]  # state name -> dtype, where it is not float32
+
+
+@dataclass
+class RunStates:
+    """One layer's state after each row of one verified run (speculative decoding).
+
+    after[name][j] is the whole per-lane state after the run's row j (n rows: a tensor [n, *shape]
+    or a list of n tensors, which a recurrent layer's loop made anyway: no copy); or, where
+    cells[name] is given, [n, len(cells), *rest]: the values of those entries along the state's
+    first dimension (a window ring's slots that the run wrote), the rest untouched.
+    """
+
+    after: dict[str, Sequence[torch.Tensor]]
+    cells: dict[str, torch.Tensor] | None = None
+
+    @property
+    def rows(self) -> int:
+        return len(next(iter(self.after.values())))
 
 
 class StateContext(Protocol):
@@ -35,6 +64,9 @@ class StateContext(Protocol):
 
     spans: list[tuple[int, int]]
     slots: torch.Tensor  # [S] int64: each sequence's slot in the tensors of `in_place`
+    # runs[i]: sequence i is a verified run of drafts: its rows are computed as consecutive
+    # decode rows and its state after each row goes to `keep_run`
+    runs: list[bool]
 
     def load(self, layer: int) -> dict[str, torch.Tensor]:
         """name -> [S, *shape] (float32 unless declared otherwise): each sequence's state before
@@ -52,6 +84,10 @@ class StateContext(Protocol):
         sequences at position 0 are not zeroed: such a layer knows which entries are valid."""
         ...
 
+    def keep_run(self, layer: int, seq: int, run: RunStates) -> None:
+        """The state of run `seq` (runs[seq]) after each of its rows, for `StatePool.rewind`."""
+        ...
+
 
 class StatePool:
     """One slot per lane of every stateful layer's state, on the model's device.
@@ -66,6 +102,8 @@ class StatePool:
         self.shapes = shapes
         self.device = torch.device(device)
         self.slot_of = list(range(num_lanes))
+        # the last step's verified runs: lane -> (layer, slot, its state after each row)
+        self.kept_runs: dict[int, list[tuple[int, int, RunStates]]] = {}
         dtypes = dtypes or {}
         self.layers: dict[int, dict[str, torch.Tensor]] = {
             layer: {name: torch.zeros((num_lanes, *shape), device=self.device,
@@ -109,19 +147,42 @@ class StatePool:
                 else:
                     t[s].copy_(state[layer][name], non_blocking=True)
 
-    def step(self, spans: list[tuple[int, int]], lanes: list[int], fresh: list[bool]) -> StepStates:
+    def step(self, spans: list[tuple[int, int]], lanes: list[int], fresh: list[bool],
+             runs: list[bool] | None = None) -> StepStates:
         """The StateContext of one step: sequence i is lane `lanes[i]`'s rows `spans[i]`,
-        starting from zeros where `fresh[i]` (its first row is position 0)."""
-        return StepStates(self, spans, lanes, fresh)
+        starting from zeros where `fresh[i]` (its first row is position 0); `runs[i]`: a verified
+        run of drafts, whose state after each row is kept until `rewind` (None: no runs).
+        The previous step's kept runs are let go."""
+        self.kept_runs = {}
+        return StepStates(self, spans, lanes, fresh, runs or [False] * len(spans))
+
+    def rewind(self, lane: int, rows: int) -> None:
+        """The lane keeps only the first `rows` rows of its verified run of the last step (the
+        drafts after them were rejected): its state becomes the one after row `rows` - 1, as if
+        the rejected rows had never been fed. Keeping every row leaves the state as it is."""
+        for layer, slot, run in self.kept_runs.pop(lane, []):
+            if not 0 < rows <= run.rows:
+                raise ValueError(f"a run of {run.rows} rows cannot keep {rows}")
+            if rows == run.rows:
+                continue
+            for name, after in run.after.items():
+                t = self.layers[layer][name][slot]
+                cells = None if run.cells is None else run.cells.get(name)
+                if cells is None:
+                    t.copy_(after[rows - 1])
+                else:
+                    t.index_copy_(0, cells, after[rows - 1].to(t.dtype))
 
 
 class StepStates:
     """`StateContext` over a `StatePool`: gathers the step's slots, scatters them back."""
 
     def __init__(self, pool: StatePool, spans: list[tuple[int, int]], lanes: list[int],
-                 fresh: list[bool]) -> None:
+                 fresh: list[bool], runs: list[bool]) -> None:
         self.pool = pool
         self.spans = spans
+        self.lanes = lanes
+        self.runs = runs
         self.slots = torch.tensor([pool.slot_of[lane] for lane in lanes], dtype=torch.int64,
                                   device=pool.device)
         self.fresh = torch.tensor(fresh, dtype=torch.bool, device=pool.device)
@@ -142,3 +203,7 @@ class StepStates:
     def save(self, layer: int, state: dict[str, torch.Tensor]) -> None:
         for name, t in self.pool.layers[layer].items():
             t.index_copy_(0, self.slots, state[name].to(t.dtype))
+
+    def keep_run(self, layer: int, seq: int, run: RunStates) -> None:
+        lane = self.lanes[seq]
+        self.pool.kept_runs.setdefault(lane, []).append((layer, self.pool.slot_of[lane], run))

@@ -43,3 +43,4 @@ class Architecture:
     local_rope_theta: float | None = None
     # a GGUF file's query_pre_attn_scalar (no key holds it) from (layers, hidden, heads, head_dim)
     gguf_query_scalar: Callable[[int, int, int, int], float] | None = None
+    mtp: bool = False  # its folders may store a multi-token-prediction head under mtp.* (`mtp.py`)

@@ -60,6 +60,9 @@ class ModelConfig:
     linear_key_head_dim: int = 0
     linear_value_head_dim: int = 0
     linear_conv_kernel: int = 0
+    # A multi-token-prediction head (Qwen3-Next's `mtp.*`, `mtp.py`): 1 where the checkpoint
+    # stores one (its first layer is used), else 0.
+    mtp_layers: int = 0
 
     def linear(self, layer: int) -> bool:
         """Whether `layer` is a linear-attention (recurrent) layer."""

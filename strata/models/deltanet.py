@@ -25,7 +25,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from strata.kv.state import StateContext, StateShapes
+from strata.kv.state import RunStates, StateContext, StateShapes
 from strata.models.base import ModelConfig
 from strata.models.deltanet_fla import (
     backend_for,
@@ -236,6 +236,30 @@ class GatedDeltaNet(nn.Module):
                 out[part] = o[0]
         return out, conv, ssm
 
+    def mix_runs(self, mixed: torch.Tensor, b: torch.Tensor, a: torch.Tensor, conv: torch.Tensor,
+                 ssm: torch.Tensor, spans: list[tuple[int, int]], runs: list[bool]
+                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, dict[int, RunStates]]:
+        """`mix_spans_torch` for a step with verified runs of drafts (`runs[i]`): each run's rows
+        are computed one at a time, the arithmetic of decoding them one a step, and its state
+        after every row comes back (run index -> its states, row by row) so the rows verification
+        rejects can be undone (`StatePool.rewind`)."""
+        plain = [(start, 0) if run else (start, n) for (start, n), run in zip(spans, runs)]
+        out, conv, ssm = self.mix_spans_torch(mixed, b, a, conv, ssm, plain)  # 0 rows: untouched
+        after: dict[int, RunStates] = {}
+        for i, ((start, n), run) in enumerate(zip(spans, runs)):
+            if not run:
+                continue
+            c, s = conv[i : i + 1], ssm[i : i + 1]
+            convs, ssms = [], []
+            for r in range(start, start + n):
+                o, c, s = self._mix(mixed[r : r + 1, None], b[r : r + 1, None], a[r : r + 1, None], c, s)
+                out[r] = o[0, 0]
+                convs.append(c[0])
+                ssms.append(s[0])
+            conv[i], ssm[i] = c[0], s[0]
+            after[i] = RunStates({"conv": convs, "ssm": ssms})
+        return out, conv, ssm, after
+
     def mix_spans_fla(self, mixed: torch.Tensor, b: torch.Tensor, a: torch.Tensor, conv: torch.Tensor,
                       ssm: torch.Tensor, spans: list[tuple[int, int]]
                       ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -258,14 +282,21 @@ class GatedDeltaNet(nn.Module):
         """x [T, hidden] -> [T, hidden]: each span of `states` continues its sequence's state.
 
         bf16 / fp16 on CUDA with `fla` installed, the spans run through FLA's kernels, else
-        through the torch code (`deltanet_fla.backend_for`).
+        through the torch code (`deltanet_fla.backend_for`); a step with verified runs of drafts
+        runs the torch code (`mix_runs`), which keeps each run's state after every row.
         """
         if states is None:
             raise ValueError("a gated DeltaNet layer needs a StateContext for its recurrent state")
         mixed, z, b, a = self._split(x)
         before = states.load(self.layer_index)
-        mix = self.mix_spans_fla if backend_for(x.device, x.dtype) == "fla" else self.mix_spans_torch
-        out, conv, ssm = mix(mixed, b, a, before["conv"], before["ssm"], states.spans)
+        if any(states.runs):
+            out, conv, ssm, after = self.mix_runs(mixed, b, a, before["conv"], before["ssm"], states.spans,
+                                                  states.runs)
+            for seq, run in after.items():
+                states.keep_run(self.layer_index, seq, run)
+        else:
+            mix = self.mix_spans_fla if backend_for(x.device, x.dtype) == "fla" else self.mix_spans_torch
+            out, conv, ssm = mix(mixed, b, a, before["conv"], before["ssm"], states.spans)
         states.save(self.layer_index, {"conv": conv, "ssm": ssm})
         out = self.norm.forward(out, z).reshape(x.shape[0], -1)
         return self.out_proj.forward(out)

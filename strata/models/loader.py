@@ -32,6 +32,7 @@ from strata.models.generation_defaults import (
     read_generation_config,
 )
 from strata.models.layers import DecoderModel
+from strata.models.mtp import stored_mtp_layers
 from strata.models.naming import Part, gguf_parts, hf_parts
 from strata.models.quantize import quantize_weights, resolve_weight_mode
 from strata.models.rope import trained_context
@@ -212,6 +213,8 @@ def _open_folder(p: Path) -> Opened:
     arch, cfg = config_from_hf(path, raw)
     cfg.eos_token_ids = list(dict.fromkeys(cfg.eos_token_ids + _generation_eos(p)))
     source = SafetensorsSource(p)
+    if arch.mtp:  # a multi-token-prediction head, where the weights carry one
+        cfg.mtp_layers = stored_mtp_layers(raw, source.names())
 
     def tokenizer() -> Tokenizer | None:
         return Tokenizer.from_folder(p) if (p / "tokenizer.json").is_file() else None

@@ -10,6 +10,7 @@ groups) is a part's `join`, applied to the stacked parameter.
 
 from __future__ import annotations
 
+import dataclasses
 import re
 from collections.abc import Callable, Collection
 from dataclasses import dataclass
@@ -107,7 +108,11 @@ def _rows(cfg: ModelConfig, rest: str, rows: int, n: int) -> list[int]:
 
 
 def hf_parts(param: str, rows: int, cfg: ModelConfig, arch: Architecture) -> list[Part]:
-    """Parts of `param` in a Hugging Face checkpoint (names under "model.")."""
+    """Parts of `param` in a Hugging Face checkpoint (names under "model."; an MTP head's, whose
+    layer is named as a model layer, under "mtp.")."""
+    if param.startswith("mtp."):
+        return [dataclasses.replace(p, name="mtp." + p.name.removeprefix("model."))
+                for p in hf_parts(param.removeprefix("mtp."), rows, cfg, arch)]
     if param == "lm_head.weight":
         return [Part("lm_head.weight", rows)]
     m = _LAYER.fullmatch(param)

@@ -7,10 +7,13 @@ sigmoid(gate) before o_proj), with q/k norms and RoPE on only the first
 quarter of each head (partial_rotary_factor 0.25). Every RMSNorm outside the
 DeltaNet's output gate is zero-centred: it scales by 1 + weight. The MLPs are
 Qwen2-MoE's: routed experts plus a shared expert with a sigmoid gate
-(`moe.SparseMLP`), or dense SwiGLU where the config says so.
+(`moe.SparseMLP`), or dense SwiGLU where the config says so. A folder may
+carry a multi-token-prediction head (`mtp.py`): one more gated-attention layer.
 """
 
 from __future__ import annotations
+
+import dataclasses
 
 import torch
 import torch.nn.functional as F
@@ -24,6 +27,7 @@ from strata.models.deltanet import GatedDeltaNet
 from strata.models.dense import MLP, Linear
 from strata.models.layers import DecoderModel
 from strata.models.moe import SparseMLP
+from strata.models.mtp import MtpHead
 from strata.models.rope import apply_partial_rope
 
 
@@ -101,6 +105,21 @@ class Qwen3NextModel(DecoderModel):
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__(cfg)
         self.norm = ZeroCentredRMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.mtp: MtpHead | None = None
+        if cfg.mtp_layers:  # one full-attention layer after the model's, its K/V a pool layer of its own
+            index = cfg.num_layers
+            full = dataclasses.replace(cfg, layer_types=cfg.layer_types + ("full_attention",))
+            self.mtp = MtpHead(cfg, Qwen3NextLayer(full, index), index, ZeroCentredRMSNorm)
+
+    def mtp_step(self, input_ids: torch.Tensor, hidden: torch.Tensor, positions: torch.Tensor,
+                 ctx: AttentionContext) -> torch.Tensor:
+        """The MTP head over entries at `positions` [T]: the tokens `input_ids` [T] (each at its
+        position + 1) and `hidden` [T, H] -> the head's normed output [T, H] (`MtpHead.run`)."""
+        if self.mtp is None:
+            raise ValueError("this checkpoint carries no MTP head")
+        cos = self.rope_cos[positions].unsqueeze(1)
+        sin = self.rope_sin[positions].unsqueeze(1)
+        return self.mtp.run(self.embed(input_ids), hidden, cos, sin, ctx)
 
     def make_layer(self, cfg: ModelConfig, layer_index: int) -> nn.Module:
         return Qwen3NextLayer(cfg, layer_index)
@@ -122,4 +141,5 @@ ARCH = Architecture(
     # (its gated norm as it is) are mapped in `naming.py`
     gguf_layer_names=(("post_attention_layernorm.weight", "post_attention_norm.weight"),),
     gguf_norm_offset=1.0,
+    mtp=True,
 )

@@ -18,6 +18,13 @@ lies: a decode step copies nothing but its own k/v. A sequence with several
 rows (prompt reading) gathers its W - 1 cells before the rows, attends over
 [those] + [its rows' k/v] and writes its last W rows into the ring after.
 
+A verified run of drafts (speculative decoding) is such a sequence of
+several rows. Its rejected rows would leave their k/v in slots that held
+positions the lane still needs, so the step keeps, for each of the run's
+rows, what the slots it wrote must hold if the lane ends after that row
+(the run's own k/v, or what the slot held before the step) and
+`StatePool.rewind` writes them back.
+
 Either way each row's keys are read in position order by the same C++
 kernel as the pool's attention on the CPU (`kernels/cpu/`), one by one: a
 row's bits depend only on its keys, so a sequence read at once, in parts or
@@ -31,13 +38,41 @@ from dataclasses import dataclass
 
 import torch
 
-from strata.kv.state import StateContext, StateShapes
+from strata.kv.state import RunStates, StateContext, StateShapes
 from strata.models import ops
 
 
 def window_state_shapes(window: int, num_kv_heads: int, head_dim: int) -> StateShapes:
     """The k and v of a lane's last `window` positions, a ring indexed by position mod window."""
     return {"k": (window, num_kv_heads, head_dim), "v": (window, num_kv_heads, head_dim)}
+
+
+@dataclass
+class _Run:
+    """A verified run's slots (its lane's ring entries the step writes) and, per row, where
+    each slot's value comes from should the lane end after that row."""
+
+    seq: int  # the sequence's index in the step
+    cells: torch.Tensor  # [m] the slots (ring entries 0..W-1 of the lane)
+    flat: torch.Tensor  # [m] the same as cells of the layer's flat ring (slot * W + entry)
+    rows: torch.Tensor  # [n] the run's rows in the step
+    source: torch.Tensor  # [n, m] index into [the slots before the step (m)] + [the run's k/v (n)]
+
+
+def run_sources(start: int, n: int, window: int) -> tuple[list[int], torch.Tensor]:
+    """The ring entries a run of n rows from position `start` writes, and for each row j the
+    source of each entry if the lane keeps rows 0..j: the run's row (index m + row) when the
+    position the entry then holds (the latest before start + j + 1 with its residue) is the
+    run's, else the entry's value before the step (its index < m)."""
+    cells = sorted({q % window for q in range(start, start + n)})
+    m = len(cells)
+    source = torch.empty(n, m, dtype=torch.int64)
+    for j in range(n):
+        end = start + j + 1  # the lane's length if it keeps rows 0..j
+        for c_index, c in enumerate(cells):
+            q = end - 1 - (end - 1 - c) % window  # the position entry c holds at that length
+            source[j, c_index] = m + q - start if q >= start else c_index
+    return cells, source
 
 
 @dataclass
@@ -52,6 +87,7 @@ class _Group:
     write: torch.Tensor  # [K] ring cells the step writes (flat: slot * W + position mod W)
     write_rows: torch.Tensor  # [K] the rows they take k/v from
     padded: tuple[torch.Tensor, ...] | None = None  # the torch path's indices, made on first use
+    runs: list[_Run] | None = None  # verified runs of drafts among the sequences
 
 
 class WindowStep:
@@ -74,6 +110,16 @@ class WindowStep:
         ones = [x for x in seqs if x[0][1] == 1]
         more = [x for x in seqs if x[0][1] > 1]
         self.groups = [g for g in (self._decode(ones), self._prompt(more)) if g is not None]
+        runs = [self._run(i, spans[i], starts[i], slots[i]) for i, run in enumerate(states.runs) if run]
+        if runs:  # runs have several rows: the prompt group (the last) holds them
+            self.groups[-1].runs = runs
+
+    def _run(self, seq: int, span: tuple[int, int], start: int, slot: int) -> _Run:
+        first, n = span
+        cells, source = run_sources(start, n, self.window)
+        local = torch.tensor(cells, dtype=torch.int64)
+        return _Run(seq, local.to(self.device), (slot * self.window + local).to(self.device),
+                    torch.arange(first, first + n, device=self.device), source.to(self.device))
 
     def _decode(self, seqs: list) -> _Group | None:
         """One-row sequences, in place: the row's cell is written first, then its window read."""
@@ -127,6 +173,7 @@ class WindowStep:
         out = torch.empty_like(q)
         kernel = ops.cpu_kernels(q) if self.kernel is not False else None
         for g in self.groups:
+            before = self._before(g, ring_k, ring_v)
             qg = q[g.rows]
             if g.gather is None:  # write first, then read the window where it lies
                 ring_k.index_copy_(0, g.write, k[g.write_rows].to(ring_k.dtype))
@@ -143,7 +190,16 @@ class WindowStep:
             if g.gather is not None:
                 ring_k.index_copy_(0, g.write, k[g.write_rows].to(ring_k.dtype))
                 ring_v.index_copy_(0, g.write, v[g.write_rows].to(ring_v.dtype))
+            for run, (old_k, old_v) in zip(g.runs or [], before):
+                after = {name: torch.cat((old, new[run.rows].to(old.dtype)))[run.source]
+                         for name, old, new in (("k", old_k, k), ("v", old_v, v))}
+                self.states.keep_run(layer, run.seq, RunStates(after, {"k": run.cells, "v": run.cells}))
         return out
+
+    @staticmethod
+    def _before(g: _Group, ring_k: torch.Tensor, ring_v: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """The slots each verified run of `g` writes, as they are before the step writes them."""
+        return [(ring_k[run.flat], ring_v[run.flat]) for run in g.runs or []]  # copies (indexing)
 
     def _attend_torch(self, g: _Group, q: torch.Tensor, keys: torch.Tensor,
                       values: torch.Tensor) -> torch.Tensor:

@@ -38,3 +38,32 @@ def test_cuda_answers_as_the_cpu(kind: str, tmp_path) -> None:
     assert again == cuda[0]
     if kind == "qwen3_next":
         assert stats["checkpoints"]["restores"] >= 1
+
+
+@pytest.mark.parametrize("kind", ["gemma3", "qwen3_next", "qwen3_next_mtp"])
+def test_cuda_drafts_keep_the_answer(kind: str, tmp_path) -> None:
+    """--spec on a hybrid model on CUDA (float32): drafts from a repeated prompt's first answer
+    and from decoys that continue it otherwise, verified, the rejected ones' state rewound
+    (the DeltaNet layers take the torch code in such a step); with the MTP head as well."""
+    from tests.models.tiny_mtp import save_tiny_mtp
+
+    if kind == "qwen3_next_mtp":
+        save_tiny_mtp(tmp_path)
+    else:
+        save_tiny(kind, tmp_path)
+    save_byte_tokenizer(tmp_path)
+    flags = {"mtp": True} if kind == "qwen3_next_mtp" else {}
+    first = [(p, GREEDY) for p in PROMPTS]
+    outs = {}
+    for spec in (0, 4):
+        cfg = EngineConfig(model=str(tmp_path), device="cuda", dtype="float32", weights="dense", parallel=3,
+                           max_context=128, spec=spec, **(flags if spec else {}))
+        with Engine(cfg) as eng:
+            answers = [h.result().token_ids for h in [eng.generate(p, s) for p, s in first]]
+            decoys = [eng.complete(PROMPTS[0] + answers[0][:at] + [(t + 7) % 256 for t in answers[0][at:at + 4]],
+                                   SamplingParams(max_tokens=1)).token_ids for at in (3, 7)]
+            again = [h.result().token_ids for h in [eng.generate(p, s) for p, s in first]]
+            outs[spec] = (answers, decoys, again, eng.stats())
+    assert outs[4][:3] == outs[0][:3]
+    spec_figures = outs[4][3]["speculation"]
+    assert spec_figures["drafted_tokens"] > spec_figures["accepted_tokens"] > 0

@@ -65,6 +65,7 @@ class DenseStates:
         self.state: dict[str, dict[int, dict[str, torch.Tensor]]] = {}
         self.seqs: list[str] = ["0"]
         self.spans: list[tuple[int, int]] = []
+        self.runs: list[bool] = []  # no verified runs of drafts here
         self.slot_of: dict[str, int] = {}
         self.held: dict[int, dict[str, torch.Tensor]] = {}
 
@@ -85,6 +86,10 @@ class DenseStates:
         """The next step's row spans and which sequence each is (default: the first)."""
         self.spans = spans
         self.seqs = seqs or ["0"] * len(spans)
+        self.runs = [False] * len(spans)
+
+    def keep_run(self, layer: int, seq: int, run: object) -> None:
+        raise AssertionError("this context steps no verified runs of drafts")
 
     def zero(self, seq: str, layer: int) -> None:
         self.state.get(seq, {}).pop(layer, None)

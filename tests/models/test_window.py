@@ -80,3 +80,34 @@ def test_a_sequence_at_position_0_reads_nothing_of_its_slot() -> None:
     q, k, v = torch.randn(3, HQ, D), torch.randn(3, HKV, D), torch.randn(3, HKV, D)
     step = WindowStep(torch.arange(3), pool.step([(0, 3)], [0], [False]), W, SCALE)
     torch.testing.assert_close(step.attend(0, q, k, v), _dense(q, k, v, 0), atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("kernel", [None, False], ids=["cpu-kernel", "torch"])
+@pytest.mark.parametrize("start,n", [(3, 3), (9, 4), (12, 5), (6, 12)])  # 12 rows: past the window
+def test_a_rewound_run_leaves_the_ring_of_its_kept_rows(kernel: bool | None, start: int, n: int) -> None:
+    """A verified run of drafts (`runs`) writes its n rows into the ring; rewound to keep j of
+    them, the lane's ring holds the last W positions of its history up to that row, as if the
+    rejected rows never came: run's own k/v and slots they overwrote alike."""
+    torch.manual_seed(2)
+    history_k, history_v = torch.randn(start + n, HKV, D), torch.randn(start + n, HKV, D)
+    for kept in range(1, n + 1):
+        pool = StatePool({0: window_state_shapes(W, HKV, D)}, 2, "cpu")
+        for lane in range(2):  # lane 1: the history up to `start`, read beside lane 0's run
+            WindowStep(torch.arange(start), pool.step([(0, start)], [lane], [True]), W, SCALE,
+                       kernel=kernel).attend(0, torch.randn(start, HQ, D), history_k[:start],
+                                             history_v[:start])
+        states = pool.step([(0, n), (n, 1)], [0, 1], [False, False], [True, False])
+        k = torch.cat((history_k[start:], history_k[start : start + 1]))
+        v = torch.cat((history_v[start:], history_v[start : start + 1]))
+        positions = torch.cat((torch.arange(start, start + n), torch.tensor([start])))
+        WindowStep(positions, states, W, SCALE, kernel=kernel).attend(0, torch.randn(n + 1, HQ, D), k, v)
+        before = pool.layers[0]["k"][pool.slot_of[0]].clone()
+        pool.rewind(0, kept)
+        ring = pool.layers[0]
+        end = start + kept
+        for p in range(max(0, end - W), end):
+            assert torch.equal(ring["k"][pool.slot_of[0], p % W], history_k[p])
+            assert torch.equal(ring["v"][pool.slot_of[0], p % W], history_v[p])
+        if kept < n:  # negative control: before the rewind a rejected row sat in a needed slot
+            needed = [p % W for p in range(max(0, end - W), end)]
+            assert any(not torch.equal(before[c], ring["k"][pool.slot_of[0], c]) for c in needed)
