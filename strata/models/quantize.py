@@ -85,6 +85,23 @@ def resolve_weight_mode(mode: str, device: torch.device, dtype: torch.dtype,
     return mode
 
 
+def projections(layer: nn.Module) -> list[tuple[nn.Module, str]]:
+    """(owner, attribute) of a layer's dense projections: attention's (or a gated DeltaNet's, in a
+    Qwen3-Next linear-attention layer) and the dense MLP's; routed experts and routers stay in the
+    compute dtype."""
+    owners: list[tuple[nn.Module, str]] = []
+    attn = layer.self_attn
+    if attn is not None:
+        owners += [(attn, "qkv_proj"), (attn, "o_proj")]
+    delta = getattr(layer, "linear_attn", None)  # only Qwen3-Next's layers have one
+    if delta is not None:
+        owners += [(delta, "in_proj_qkvz"), (delta, "in_proj_ba"), (delta, "out_proj")]
+    mlp = dense_mlp(layer.mlp)
+    if mlp is not None:
+        owners += [(mlp, "gate_up_proj"), (mlp, "down_proj")]
+    return owners
+
+
 def quantize_weights(model: nn.Module, mode: str, dtype: torch.dtype) -> None:
     """Replace the projections of a DecoderModel by Int8Linear or Int4Linear, in place.
 
@@ -94,15 +111,12 @@ def quantize_weights(model: nn.Module, mode: str, dtype: torch.dtype) -> None:
     embedding to read it from).
     """
     for layer in model.layers:
-        attn, mlp = layer.self_attn, dense_mlp(layer.mlp)  # routed experts stay in the dtype
-        owners = [(attn, "qkv_proj"), (attn, "o_proj")]
-        if mlp is not None:
-            owners += [(mlp, "gate_up_proj"), (mlp, "down_proj")]
-        for owner, name in owners:
+        for owner, name in projections(layer):
             lin = getattr(owner, name)
             if lin.weight.is_meta:  # a layer another stage of a split holds
                 continue
-            four = mode == "int4" and lin.weight.shape[1] % INT4_GROUP == 0
+            n, k = lin.weight.shape  # torch's int4 packing takes rows in multiples of 16
+            four = mode == "int4" and k % INT4_GROUP == 0 and n % 16 == 0
             cls = Int4Linear if four else Int8Linear
             setattr(owner, name, cls(lin.weight, lin.bias, dtype))
     head = model.embed_tokens.weight if model.lm_head is None else model.lm_head.weight
