@@ -46,8 +46,9 @@ class EngineConfig:
     prefix_reuse: bool = True  # reuse cached conversations' K/V (off: every prompt read from 0)
     pipeline: str = "auto"  # launch the next greedy decode step before post-processing this one:
     # auto (with CUDA-graph decode) | on | off
-    batch_invariant: str = "auto"  # CUDA products whose rows do not depend on the batch: auto (on
-    # where a lane can have company: --parallel above 1 or --spec) | on | off
+    batch_invariant: str = "off"  # CUDA products whose rows do not depend on the batch: on | off |
+    # auto (on where a lane can have company: --parallel above 1 or --spec); off until its cost
+    # is measured on the GPU (docs/GPU.md)
     gpus: str | None = None  # layer split in this process over these devices: "0,1", "cpu,cpu"
     split: str | None = None  # layers per --gpus stage ("16,16"); None = by free memory
     remote_stage: str | None = None  # HOST:PORT of a worker (`strata stage`) running the later layers
@@ -279,7 +280,7 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--batch-invariant", default=d.batch_invariant, choices=["auto", "on", "off"],
                    help="on CUDA, compute every product so that a lane's output does not depend on "
                         "the other lanes in its step (docs/GPU.md, 'Exactness on the GPU'); auto: on "
-                        "where a lane can have company (--parallel above 1, or --spec)")
+                        "where a lane can have company (--parallel above 1, or --spec); default off")
     t = parser.add_argument_group("chat template")
     t.add_argument("--chat-template", type=chat_template_arg, default=d.chat_template, metavar="FILE",
                    help="render chats with this Jinja template file (or inline template text, as "

@@ -30,7 +30,7 @@ def test_flag_is_parsed_and_checked() -> None:
     p = argparse.ArgumentParser()
     add_engine_arguments(p)
     assert config_from_args(p.parse_args(["--batch-invariant", "on"])).batch_invariant == "on"
-    assert config_from_args(p.parse_args([])).batch_invariant == "auto"
+    assert config_from_args(p.parse_args([])).batch_invariant == "off"
     with pytest.raises(SystemExit):
         p.parse_args(["--batch-invariant", "maybe"])
 
