@@ -120,43 +120,24 @@ def test_translated_tables_address_the_host_cells(ring: int) -> None:
         assert bool(((over >= lo) & (over < lo + plan.region_blocks)).all())
 
 
-def test_residency_for_all_layers_matches_the_per_layer_reads() -> None:
-    """`plan_layers` makes the decisions the reference path's per-layer reads make."""
-    a, b = _streamed("bf16"), _streamed("bf16")
-    lens = {0: 100, 1: 50, 2: 7}
-    _fill(a, lens)
-    _fill(b, lens)
-    sa, sb = a.store, b.store
-    assert isinstance(sa, StreamStore) and isinstance(sb, StreamStore)
-    for step in range(5):
-        seqs = [SeqSpec(s, n + step, 1) for s, n in lens.items()]
-        cells = torch.cat([a.cells_of_range(s.lane, 0, s.end) for s in seqs])
-        need = torch.unique(cells // sa.block)
-        plans = sa.plan_layers(need)
-        for layer in range(LAYERS):
-            sb.read(layer, cells, torch.bfloat16)
-            assert torch.equal(sa.block_slot[layer], sb.block_slot[layer]), (step, layer)
-            assert torch.equal(plans[layer][0], sb.block_slot[layer][need])
-        assert (sa.stats.hits, sa.stats.misses, sa.stats.blocks_copied) == \
-            (sb.stats.hits, sb.stats.misses, sb.stats.blocks_copied)
+LENS = {0: 100, 1: 50, 2: 7}
 
 
-def test_layers_out_of_step_are_resolved_by_themselves() -> None:
-    """A layer whose cache differs from layer 0's (a read of its own before the step) is not given
-    layer 0's resolution: the maps and figures still equal the per-layer reads'. The layers in
-    step with layer 0 take its result (one resolution for them all)."""
+def _planned_and_read() -> tuple[KvPool, KvPool]:
+    """Two streamed pools with the same cells: one to plan, one to read layer by layer."""
     a, b = _streamed("bf16"), _streamed("bf16")
-    lens = {0: 100, 1: 50, 2: 7}
-    _fill(a, lens)
-    _fill(b, lens)
+    _fill(a, LENS)
+    _fill(b, LENS)
+    return a, b
+
+
+def _plans_equal_reads(a: KvPool, b: KvPool, steps: int) -> None:
+    """`plan_layers` on a's store and per-layer reads on b's, step by step: the same maps, plans
+    and figures (overflow bytes aside: plan_step counts those itself)."""
     sa, sb = a.store, b.store
     assert isinstance(sa, StreamStore) and isinstance(sb, StreamStore)
-    other = a.cells_of_range(1, 0, 50)
-    for s in (sa, sb):  # layer 1 alone reads lane 1: its cache is no longer layer 0's
-        s.read(1, other, torch.bfloat16)
-    assert not torch.equal(sa.block_slot[1], sa.block_slot[0])  # the case under test exists
-    for step in range(4):
-        seqs = [SeqSpec(s, n + step, 1) for s, n in lens.items()]
+    for step in range(steps):
+        seqs = [SeqSpec(s, n + step, 1) for s, n in LENS.items()]
         cells = torch.cat([a.cells_of_range(s.lane, 0, s.end) for s in seqs])
         need = torch.unique(cells // sa.block)
         plans = sa.plan_layers(need)
@@ -166,7 +147,24 @@ def test_layers_out_of_step_are_resolved_by_themselves() -> None:
             assert torch.equal(sa.slot_block[layer], sb.slot_block[layer]), (step, layer)
             assert torch.equal(plans[layer][0], sb.block_slot[layer][need])
         figures = lambda st: {k: v for k, v in st.as_dict().items() if k != "overflow_bytes"}  # noqa: E731
-        assert figures(sa.stats) == figures(sb.stats)  # (plan_step counts overflow bytes itself)
+        assert figures(sa.stats) == figures(sb.stats)
+
+
+def test_residency_for_all_layers_matches_the_per_layer_reads() -> None:
+    """`plan_layers` makes the decisions the reference path's per-layer reads make."""
+    _plans_equal_reads(*_planned_and_read(), steps=5)
+
+
+def test_layers_out_of_step_are_resolved_by_themselves() -> None:
+    """A layer whose cache differs from layer 0's (a read of its own before the step) is not given
+    layer 0's resolution: the maps and figures still equal the per-layer reads'. The layers in
+    step with layer 0 take its result (one resolution for them all)."""
+    a, b = _planned_and_read()
+    other = a.cells_of_range(1, 0, 50)
+    for pool in (a, b):  # layer 1 alone reads lane 1: its cache is no longer layer 0's
+        pool.store.read(1, other, torch.bfloat16)
+    assert not torch.equal(a.store.block_slot[1], a.store.block_slot[0])  # the case under test exists
+    _plans_equal_reads(a, b, steps=4)
 
 
 def test_write_behind_lands_at_flush_and_before_host_io() -> None:
