@@ -180,8 +180,9 @@ def parser() -> argparse.ArgumentParser:
                    help="lane counts, e.g. 16,64: each request's greedy tokens alone vs among that many")
     p.add_argument("--pipeline", default="auto", choices=["auto", "on", "off"],
                    help="the engine's --pipeline (auto: on with CUDA-graph decode)")
-    p.add_argument("--batch-invariant", default="auto", choices=["auto", "on", "off"],
-                   help="the engine's --batch-invariant (auto: on, since the runs use several lanes)")
+    p.add_argument("--batch-invariant", default="off", choices=["auto", "on", "off"],
+                   help="the engine's --batch-invariant (off, its default; on: every lane's products "
+                        "summed as alone)")
     p.add_argument("--long-context", type=int, default=0,
                    help="also decode one lane after a prompt of this many tokens (e.g. 32768)")
     p.add_argument("--long-kv", default="bf16,int8,k8v4",

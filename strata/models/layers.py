@@ -60,11 +60,6 @@ class Attention(nn.Module):
         self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
         self.window = cfg.window(layer_index)  # None, or a sliding layer's window
 
-    def qkv_proj_invariant(self) -> bool:
-        """Whether the projections take the batch-invariant products (then a lone CUDA row must
-        too, not the one-row kernels, whose sums run in another order)."""
-        return isinstance(self.qkv_proj, (Linear, BlockLinear)) and self.qkv_proj.invariant
-
     def forward(
         self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, ctx: AttentionContext
     ) -> torch.Tensor:
@@ -134,9 +129,8 @@ class DecoderLayer(nn.Module):
     ) -> torch.Tensor:
         """states: the step's recurrent state, which attention layers do not read (the stack
         hands every layer the same arguments)."""
-        if (h.is_cuda and h.shape[0] == 1 and isinstance(self.mlp, MLP)  # one CUDA row: the products
-                and not self.self_attn.qkv_proj_invariant()):  # carry the small ops
-            attn, mlp = self.self_attn, self.mlp
+        if h.is_cuda and h.shape[0] == 1 and isinstance(self.mlp, MLP):  # one CUDA row: the products
+            attn, mlp = self.self_attn, self.mlp  # carry the small ops (not where they are invariant)
             lins = (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)
             g = ops.row_kernels(h, *lins)
             if g is not None:

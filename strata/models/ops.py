@@ -55,7 +55,8 @@ def gemv_kernels() -> ModuleType | None:
 
 def row_kernels(h: torch.Tensor, *linears: torch.nn.Module) -> ModuleType | None:
     """`strata.kernels.triton.gemv` when h is one CUDA row that its kernels take against every
-    linear's weight (plain weights, not quantized modules), else None.
+    linear's weight (plain weights, not quantized modules, not ones set to the batch-invariant
+    product: the one-row kernels sum in another order), else None.
 
     A one-lane decode step on the GPU then runs each sublayer as matrix-vector
     products that carry the norms, SwiGLU and residual adds (`DecoderLayer`).
@@ -67,7 +68,7 @@ def row_kernels(h: torch.Tensor, *linears: torch.nn.Module) -> ModuleType | None
         return None
     for m in linears:
         w = getattr(m, "weight", None)
-        if not isinstance(w, torch.Tensor) or not g.takes_weight(h, w):
+        if getattr(m, "invariant", False) or not isinstance(w, torch.Tensor) or not g.takes_weight(h, w):
             return None
     return g
 

@@ -20,16 +20,14 @@ dots (no TF32), so float32 compute stays as exact as on the CPU.
 
 from __future__ import annotations
 
-import os
-
 import torch
 import triton
 import triton.language as tl
 
+from strata.kernels.triton.gemv import DTYPES, INTERPRET
+
 __all__ = ["BLOCK_K", "DTYPES", "Config", "config_for", "matmul", "takes"]
 
-INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
-DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 BLOCK_K = 64  # the one reduction tile: a row's sum is the same sequence of dots at every M
 MULTIPLE = 16  # K must be a multiple of this (tl.dot's smallest K); BLOCK_K tails are masked
 Config = tuple[int, int, int, int]  # (BLOCK_M, BLOCK_N, num_warps, num_stages)
