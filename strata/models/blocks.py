@@ -117,11 +117,10 @@ class BlockLinear(nn.Module):
 
     def forward(self, x: torch.Tensor, out_dtype: torch.dtype | None = None) -> torch.Tensor:
         """out_dtype: the products stored in another dtype (float32 logits), without a rounding
-        to x's dtype first where the kernel allows (the CPU kernel computes float32 x instead:
-        bf16 and fp16 convert to it exactly)."""
+        to x's dtype first where the kernel allows (the CPU kernel gives float32 out of any x)."""
         shape = x.shape
         x2 = x.reshape(-1, shape[-1]).contiguous()
-        if out_dtype is not None and x2.device.type == "cpu":
+        if out_dtype not in (None, torch.float32) and x2.device.type == "cpu":
             x2 = x2.to(out_dtype)
         parts = [block_product(x2, q, b, self.packed, out_dtype, self.invariant) for q, b in self.segments()]
         y = parts[0] if len(parts) == 1 else torch.cat(parts, dim=-1)
@@ -170,7 +169,7 @@ def block_product(x: torch.Tensor, qtype: GGMLQuantizationType, blocks: torch.Te
     if blocks.device.type == "cpu":
         k = cpu_kernel()
         assert k is not None, "block weights on the CPU need the C++ kernels"
-        return k.block_matmul(x, blocks, int(qtype))
+        return k.block_matmul(x, blocks, int(qtype), float_out=out_dtype == torch.float32)
     g: ModuleType | None = triton_blocks
     assert g is not None, "block weights on CUDA need Triton"
     if x.shape[0] == 1 and invariant:

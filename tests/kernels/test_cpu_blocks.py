@@ -1,12 +1,15 @@
 """block_matmul: x @ W.T with W in GGUF blocks, against gguf's own dequantization.
 
 The weights it uses are gguf.quants.dequantize's float32 values to the bit
-(an identity x reads them out), its sums are float32 sums of them (float64
-reference within a float32 bound), and a row's result has the same bits
-whatever the batch around it and the thread count.
+(an identity x reads them out); float32 x gives float32 sums of them (float64
+reference within a float32 bound), bf16/fp16 x the fixed-point arithmetic of
+blocks_fixed.cpp (an operation-by-operation reference, to the bit); a row's
+result has the same bits whatever the batch around it and the thread count.
 """
 
 from __future__ import annotations
+
+from fractions import Fraction
 
 import gguf
 import numpy as np
@@ -103,15 +106,136 @@ def test_the_weights_are_gguf_dequantize_to_the_bit(kernel, qtype) -> None:
         assert torch.equal(one[0], torch.from_numpy(dequant(raw, qtype))[:, i])
 
 
+def fixed_point(x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """blocks_fixed.cpp's x: per 32 values the step d = 2**(e - 15), max|x| = f 2**e with f in
+    [0.5, 1), and the codes rint(x / d) (ties to even) as int16; a zero block has d = 0."""
+    blocks = x.astype(np.float32).reshape(x.shape[0], -1, 32)
+    _, e = np.frexp(np.abs(blocks).max(axis=2))
+    zero = np.abs(blocks).max(axis=2) == 0
+    d = np.where(zero, 0.0, np.ldexp(1.0, e - 15)).astype(np.float32)
+    q = np.clip(np.rint(np.ldexp(blocks.astype(np.float64), (15 - e)[..., None])), -32768, 32767)
+    q = np.where(zero[..., None], 0, q).astype(np.int16)
+    return q.reshape(x.shape), d
+
+
+def _fma32(a: np.float32, b: np.float32, c: np.float32) -> np.float32:
+    """float32 a * b + c rounded once, to nearest even (Python 3.11 has no math.fma)."""
+    exact = Fraction(float(a)) * Fraction(float(b)) + Fraction(float(c))
+    near = np.float32(float(exact))
+    best = near
+    for cand in (np.nextafter(near, np.float32(-np.inf)), np.nextafter(near, np.float32(np.inf))):
+        gap, best_gap = abs(Fraction(float(cand)) - exact), abs(Fraction(float(best)) - exact)
+        if gap < best_gap or (gap == best_gap and int(cand.view(np.int32)) % 2 == 0):
+            best = cand
+    return best
+
+
+def _simple_codes(raw_row: np.ndarray, qtype: GGMLQuantizationType) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Codes c, scales s and mins m (float32, per 32 values) of a Q4_0 / Q4_1 / Q8_0 row."""
+    size = GGML_QUANT_SIZES[qtype][1]
+    blocks = raw_row.reshape(-1, size)
+    s = blocks[:, 0:2].copy().view(np.float16).astype(np.float32)[:, 0]
+    if qtype == T.Q8_0:
+        return blocks[:, 2:].view(np.int8).astype(np.int32).reshape(-1), s, np.zeros_like(s)
+    at = 4 if qtype == T.Q4_1 else 2
+    qs = blocks[:, at:at + 16].astype(np.int32)
+    c = np.concatenate([qs & 15, qs >> 4], axis=1) - (8 if qtype == T.Q4_0 else 0)
+    m = blocks[:, 2:4].copy().view(np.float16).astype(np.float32)[:, 0] if qtype == T.Q4_1 else np.zeros_like(s)
+    return c.reshape(-1), s, m
+
+
+def fixed_reference(raw: np.ndarray, qtype: GGMLQuantizationType, x: np.ndarray, tree: str = "kernel") -> np.ndarray:
+    """blocks_fixed.cpp's arithmetic, operation by operation, for Q4_0 / Q4_1 / Q8_0."""
+    q, d = fixed_point(x)
+    out = np.zeros((x.shape[0], raw.shape[0]), dtype=np.float32)
+    for n in range(raw.shape[0]):
+        c, s, m = _simple_codes(raw[n], qtype)
+        for i in range(x.shape[0]):
+            acc = [np.float32(0)] * 16
+            for j in range(x.shape[1] // 32):
+                for k in range(16):
+                    a, b = 32 * j + 2 * k, 32 * j + 2 * k + 1
+                    pair = np.float32(int(c[a]) * int(q[i, a]) + int(c[b]) * int(q[i, b]))
+                    acc[k] = _fma32(np.float32(s[j] * d[i, j]), pair, acc[k])
+                    if qtype == T.Q4_1:
+                        xs = np.float32(d[i, j] * np.float32(int(q[i, a]) + int(q[i, b])))
+                        acc[k] = _fma32(m[j], xs, acc[k])
+            lanes = np.array(acc, dtype=np.float32)
+            if tree == "kernel":  # k + 8, k + 4, then (0 + 2) + (1 + 3)
+                t = lanes[:8] + lanes[8:]
+                t = t[:4] + t[4:]
+                out[i, n] = (t[0] + t[2]) + (t[1] + t[3])
+            else:  # in order: a tree the kernel does not use
+                total = np.float32(0)
+                for v in lanes:
+                    total = np.float32(total + v)
+                out[i, n] = total
+    return out
+
+
+@pytest.mark.parametrize("qtype", [T.Q4_0, T.Q4_1, T.Q8_0], ids=lambda t: t.name)
+@pytest.mark.parametrize("m", [1, 3, 12])  # one lane, a few lanes, the tiles
+def test_half_inputs_follow_the_fixed_point_arithmetic_to_the_bit(kernel, qtype, m) -> None:
+    raw = make_blocks(qtype, 5, 64, seed=21 + m)
+    x = (torch.randn(m, 64, generator=torch.Generator().manual_seed(m)) * 3).bfloat16()
+    x[0, 40:64] *= 1e-4  # values far below their block's max: rounded to its step
+    got = kernel.block_matmul(x, torch.from_numpy(raw), int(qtype)).float()
+    want = torch.from_numpy(fixed_reference(raw, qtype, x.float().numpy())).bfloat16().float()
+    assert torch.equal(got, want)
+
+
+def test_the_fixed_point_check_would_see_another_order(kernel) -> None:
+    """Negative control: the same operations summed over the lanes in another order differ."""
+    raw = make_blocks(T.Q4_1, 5, 64, seed=22)
+    x16 = (torch.randn(12, 64, generator=torch.Generator().manual_seed(12)) * 3).half()
+    x = x16.float().numpy()
+    kernel_tree, in_order = fixed_reference(raw, T.Q4_1, x), fixed_reference(raw, T.Q4_1, x, tree="in-order")
+    assert not np.array_equal(kernel_tree, in_order)
+    got = kernel.block_matmul(x16, torch.from_numpy(raw), int(T.Q4_1))
+    assert torch.equal(got, torch.from_numpy(kernel_tree).to(torch.float16))
+
+
+def test_bf16_values_near_their_block_max_are_exact_in_fixed_point() -> None:
+    x = torch.randn(4, 256).bfloat16().float().numpy()
+    q, d = fixed_point(x)
+    back = q.astype(np.float64).reshape(4, -1, 32) * d[..., None]
+    mx = np.abs(x.reshape(4, -1, 32)).max(axis=2, keepdims=True)
+    near = np.abs(x.reshape(4, -1, 32)) >= mx * 2.0**-7
+    assert np.array_equal(back[near], x.reshape(4, -1, 32)[near].astype(np.float64))
+    assert (np.abs(back - x.reshape(4, -1, 32)) <= mx * 2.0**-15).all()
+    assert not np.array_equal(back, x.reshape(4, -1, 32))  # the smaller values are rounded
+
+
 @pytest.mark.parametrize("qtype", TYPES, ids=lambda t: t.name)
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-def test_half_inputs_are_float32_inputs_rounded_once(kernel, qtype, dtype) -> None:
+@pytest.mark.parametrize("m", [1, 5, 19])
+def test_half_inputs_are_the_product_of_fixed_point_x(kernel, qtype, dtype, m) -> None:
+    """Every type (K-quants with 16-value groups too): close to the float64 product of gguf's
+    weights and the fixed-point x, far closer than to x itself where x has small values."""
     block = GGML_QUANT_SIZES[qtype][0]
-    raw = torch.from_numpy(make_blocks(qtype, 11, 4 * block, seed=5))
-    x = torch.randn(6, 4 * block).to(dtype)
-    got = kernel.block_matmul(x, raw, int(qtype))
+    k = 4 * block if block == 32 else 2 * block
+    raw = make_blocks(qtype, 11, k, seed=5 + m)
+    x = torch.randn(m, k, generator=torch.Generator().manual_seed(m)).to(dtype)
+    got = kernel.block_matmul(x, torch.from_numpy(raw), int(qtype))
     assert got.dtype == dtype
-    assert torch.equal(got, kernel.block_matmul(x.float(), raw, int(qtype)).to(dtype))
+    q, d = fixed_point(x.float().numpy())
+    xq = (q.astype(np.float64).reshape(m, -1, 32) * d[..., None]).reshape(m, k)
+    w = dequant(raw, qtype).astype(np.float64)
+    want = xq @ w.T
+    tol = bound(raw, qtype, xq.astype(np.float32)) * 4 + np.abs(want) * 2.0**-8  # the final rounding to dtype
+    assert (np.abs(got.double().numpy() - want) <= tol).all()
+
+
+def test_inf_and_zero_blocks_in_fixed_point(kernel) -> None:
+    raw = torch.from_numpy(make_blocks(T.Q4_1, 3, 64, seed=23))
+    x = torch.zeros(3, 64).bfloat16()
+    x[1, 0] = float("inf")
+    x[2, 33] = 1.0
+    got = kernel.block_matmul(x, raw, int(T.Q4_1)).float()
+    assert torch.equal(got[0], torch.zeros(3))
+    assert torch.isnan(got[1]).all()
+    w = torch.from_numpy(dequant(raw.numpy(), T.Q4_1))
+    assert torch.equal(got[2], w[:, 33].bfloat16().float())
 
 
 @pytest.mark.parametrize("qtype", TYPES, ids=lambda t: t.name)

@@ -2,8 +2,8 @@
 
 `attend` (attention over the pool's cells, `attention.py`) and the row-wise
 pieces of a decoder layer (`elementwise.cpp`, used through `models/ops.py`),
-`block_matmul` (`blocks.cpp`): x @ W.T with W in a GGUF file's own
-quantized blocks, for the types in `BLOCK_TYPES`, and `experts_dense` /
+`block_matmul` (`blocks.cpp`, bf16/fp16 x through `blocks_fixed.cpp`): x @ W.T
+with W in a GGUF file's own quantized blocks, for the types in `BLOCK_TYPES`, and `experts_dense` /
 `experts_blocks` (`experts.cpp`): a MoE layer's routed experts in one call.
 
 torch compiles it on first use with the machine's C++ compiler (about a
@@ -32,7 +32,9 @@ from strata.knobs import flag
 
 log = logging.getLogger(__name__)
 SOURCES = [Path(__file__).parent / "csrc" / f
-           for f in ("module.cpp", "attention.cpp", "elementwise.cpp", "blocks.cpp", "experts.cpp")]
+           for f in ("module.cpp", "attention.cpp", "elementwise.cpp", "blocks.cpp", "blocks_fixed.cpp",
+                     "experts.cpp")]
+HEADERS = [Path(__file__).parent / "csrc" / "block_types.h"]
 # -ffp-contract=off: a*b+c rounds twice, as the torch expressions the row-wise kernels replace
 CFLAGS = ["-O3", "-march=native", "-fopenmp", "-ffp-contract=off"]
 # gguf.GGMLQuantizationType values `block_matmul` takes (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q2_K
@@ -54,7 +56,7 @@ def _machine_tag() -> str:
         flags = platform.processor()
     # the folder too: ninja rebuilds whenever one build folder is shared by two checkouts
     text = (flags + torch.__version__ + torch.__file__ + " ".join(CFLAGS) + str(SOURCES[0].parent)
-            + "".join(p.read_text() for p in SOURCES))
+            + "".join(p.read_text() for p in SOURCES + HEADERS))
     h = hashlib.sha256(text.encode()).hexdigest()
     return h[:12]
 

@@ -1,29 +1,29 @@
-// x @ W.T for W held in a GGUF file's own quantized blocks (Q4_0 ... Q6_K).
+// x @ W.T for W held in a GGUF file's own quantized blocks (Q4_0 ... Q6_K): float32 x here,
+// bf16/fp16 x through blocks_fixed.cpp's 16-bit fixed point (the CPU's usual compute dtype).
 //
 // Why: re-quantizing a 4-bit file to torch's int4 layout rounds its fp16
 // scales to bf16. Here the blocks stay as the file stores them, and every
 // weight is the value gguf.quants.dequantize gives: scale * code + min, with
 // the fp16 scales converted exactly and K-quant sub-scales decoded (and
-// rounded to float32) as ggml does.
+// rounded to float32) as ggml does (block_types.h).
 //
-// Arithmetic, all float32 (this file is built with -ffp-contract=off; the
+// Arithmetic of a float32 x, all float32 (this file is built with -ffp-contract=off; the
 // FMAs below are explicit). A group is the run of values that share one
 // scale s and min m (32 values; 16 for Q6_K, Q2_K, Q3_K). For output (i, n),
 // over the groups of weight row n in order, in 8 lanes:
 //   p   = q[0:8] * x[0:8], then p = fma(q[8j:8j+8], x[8j:8j+8], p) for the rest
 //   acc = fma(s, p, acc)         (acc starts at 0)
 //   acc = fma(m, xs, acc)        (types with a min; xs = the group's x summed per lane)
-// and y = the lanes of acc summed in a fixed tree, rounded once to x's dtype.
-// That is sum over groups of s * sum(q x) + m * sum(x): the dequantized
-// weights exactly, factored. The order depends on nothing but K, so row i
-// of the output has the same bits whatever M, the other rows of x or the
-// thread count: threads split the output rows N only, never K. One lane
-// (M = 1) unpacks each block's codes to int8 (in L1) and converts them as
-// it multiplies, four weight rows at a time; two to eight lanes (a drafted
-// run, a few lanes) unpack and convert each block once and run every x row
-// over it; more lanes decode a tile of weight rows to float32 once (in L2)
-// and run every x row over it with the same operations, so the converted
-// codes are the same exact integers.
+// and y = the lanes of acc summed in a fixed tree. That is sum over groups of
+// s * sum(q x) + m * sum(x): the dequantized weights exactly, factored. The
+// order depends on nothing but K, so row i of the output has the same bits
+// whatever M, the other rows of x or the thread count: threads split the
+// output rows N only, never K. One lane (M = 1) unpacks each block's codes to
+// int8 (in L1) and converts them as it multiplies, four weight rows at a
+// time; two to eight lanes (a drafted run, a few lanes) unpack and convert
+// each block once and run every x row over it; more lanes decode a tile of
+// weight rows to float32 once (in L2) and run every x row over it with the
+// same operations, so the converted codes are the same exact integers.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 
@@ -32,22 +32,11 @@
 #include <cstring>
 #include <vector>
 
-#if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
-#define STRATA_BLOCKS_AVX2 1
-#include <immintrin.h>
-#endif
+#include "block_types.h"
 
 namespace {
 
-inline float f16(const uint8_t* p) {
-  uint16_t h;
-  std::memcpy(&h, p, 2);
-#if defined(STRATA_BLOCKS_AVX2)
-  return _cvtsh_ss(h);
-#else
-  return c10::detail::fp16_ieee_to_fp32_value(h);
-#endif
-}
+using namespace strata_blocks;
 
 // ---- 8-lane float vectors: AVX2, or plain arrays with the same steps ----
 #if defined(STRATA_BLOCKS_AVX2)
@@ -83,225 +72,6 @@ inline float vsum(V a) {  // the AVX2 tree
   return (s[0] + s[2]) + (s[1] + s[3]);
 }
 #endif
-
-// ---- block types: a block's codes (int8, value order), and per group its scale and min ----
-// block(b, c, s, m) returns the QK codes (in c, or in the block itself for Q8_0), writes the
-// scale s[g] and the min m[g] of each group g: the value of code q is s[g] * q + m[g].
-
-// the 6-bit scale and min of group j of Q4_K / Q5_K, as ggml's get_scale_min_k4
-inline void scale_min_k4(int j, const uint8_t* q, int& sc, int& mn) {
-  if (j < 4) {
-    sc = q[j] & 63;
-    mn = q[j + 4] & 63;
-  } else {
-    sc = (q[j + 4] & 0xF) | ((q[j - 4] >> 6) << 4);
-    mn = (q[j + 4] >> 4) | ((q[j] >> 6) << 4);
-  }
-}
-
-// Q4_K / Q5_K: d * scale, and the min negated (the file's value is d sc q - dmin mn)
-inline void k4_scales(const uint8_t* b, float* s, float* m) {
-  const float d = f16(b), dmin = f16(b + 2);
-  for (int g = 0; g < 8; ++g) {
-    int sc, mn;
-    scale_min_k4(g, b + 4, sc, mn);
-    s[g] = d * static_cast<float>(sc);
-    m[g] = -(dmin * static_cast<float>(mn));
-  }
-}
-
-// 16 bytes -> their low nibbles then their high nibbles, minus `off`
-inline void nibbles16(const uint8_t* qs, int8_t* c, int off) {
-#if defined(STRATA_BLOCKS_AVX2)
-  const __m128i v = _mm_loadu_si128(reinterpret_cast<const __m128i*>(qs)), f = _mm_set1_epi8(0x0F);
-  const __m128i o = _mm_set1_epi8(static_cast<char>(off));
-  _mm_storeu_si128(reinterpret_cast<__m128i*>(c), _mm_sub_epi8(_mm_and_si128(v, f), o));
-  _mm_storeu_si128(reinterpret_cast<__m128i*>(c + 16), _mm_sub_epi8(_mm_and_si128(_mm_srli_epi16(v, 4), f), o));
-#else
-  for (int j = 0; j < 16; ++j) {
-    c[j] = static_cast<int8_t>((qs[j] & 0xF) - off);
-    c[j + 16] = static_cast<int8_t>((qs[j] >> 4) - off);
-  }
-#endif
-}
-
-struct Q4_0 {
-  static constexpr int QK = 32, BYTES = 18, G = 32;
-  static constexpr bool MIN = false;
-  static const int8_t* block(const uint8_t* b, int8_t* c, float* s, float*) {
-    s[0] = f16(b);
-    nibbles16(b + 2, c, 8);
-    return c;
-  }
-};
-
-struct Q4_1 {
-  static constexpr int QK = 32, BYTES = 20, G = 32;
-  static constexpr bool MIN = true;
-  static const int8_t* block(const uint8_t* b, int8_t* c, float* s, float* m) {
-    s[0] = f16(b);
-    m[0] = f16(b + 2);
-    nibbles16(b + 4, c, 0);
-    return c;
-  }
-};
-
-// Q5_0 / Q5_1: the fifth bit of value j is bit j of the 32-bit little-endian qh
-inline void fives(const uint8_t* qhp, const uint8_t* qs, int8_t* c, int off) {
-  uint32_t qh;
-  std::memcpy(&qh, qhp, 4);
-  for (int j = 0; j < 16; ++j) {
-    c[j] = static_cast<int8_t>(((qs[j] & 0xF) | (((qh >> j) & 1) << 4)) - off);
-    c[j + 16] = static_cast<int8_t>(((qs[j] >> 4) | (((qh >> (j + 16)) & 1) << 4)) - off);
-  }
-}
-
-struct Q5_0 {
-  static constexpr int QK = 32, BYTES = 22, G = 32;
-  static constexpr bool MIN = false;
-  static const int8_t* block(const uint8_t* b, int8_t* c, float* s, float*) {
-    s[0] = f16(b);
-    fives(b + 2, b + 6, c, 16);
-    return c;
-  }
-};
-
-struct Q5_1 {
-  static constexpr int QK = 32, BYTES = 24, G = 32;
-  static constexpr bool MIN = true;
-  static const int8_t* block(const uint8_t* b, int8_t* c, float* s, float* m) {
-    s[0] = f16(b);
-    m[0] = f16(b + 2);
-    fives(b + 4, b + 8, c, 0);
-    return c;
-  }
-};
-
-struct Q8_0 {
-  static constexpr int QK = 32, BYTES = 34, G = 32;
-  static constexpr bool MIN = false;
-  static const int8_t* block(const uint8_t* b, int8_t*, float* s, float*) {
-    s[0] = f16(b);
-    return reinterpret_cast<const int8_t*>(b + 2);
-  }
-};
-
-// d, dmin, scales[12], qs[128]: 32 bytes of qs give 32 low nibbles (group 2i), 32 high (2i + 1)
-struct Q4_K {
-  static constexpr int QK = 256, BYTES = 144, G = 32;
-  static constexpr bool MIN = true;
-  static const int8_t* block(const uint8_t* b, int8_t* c, float* s, float* m) {
-    k4_scales(b, s, m);
-    const uint8_t* qs = b + 16;
-#if defined(STRATA_BLOCKS_AVX2)
-    const __m256i f = _mm256_set1_epi8(0x0F);
-    for (int i = 0; i < 4; ++i) {
-      const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qs + 32 * i));
-      _mm256_storeu_si256(reinterpret_cast<__m256i*>(c + 64 * i), _mm256_and_si256(v, f));
-      _mm256_storeu_si256(reinterpret_cast<__m256i*>(c + 64 * i + 32), _mm256_and_si256(_mm256_srli_epi16(v, 4), f));
-    }
-#else
-    for (int i = 0; i < 4; ++i)
-      for (int l = 0; l < 32; ++l) {
-        c[64 * i + l] = static_cast<int8_t>(qs[32 * i + l] & 0xF);
-        c[64 * i + 32 + l] = static_cast<int8_t>(qs[32 * i + l] >> 4);
-      }
-#endif
-    return c;
-  }
-};
-
-// Q4_K plus qh[32] after the scales: bit g of qh[l] is the fifth bit of value 32 g + l
-struct Q5_K {
-  static constexpr int QK = 256, BYTES = 176, G = 32;
-  static constexpr bool MIN = true;
-  static const int8_t* block(const uint8_t* b, int8_t* c, float* s, float* m) {
-    k4_scales(b, s, m);
-    const uint8_t *qh = b + 16, *qs = b + 48;
-    for (int g = 0; g < 8; ++g)
-      for (int l = 0; l < 32; ++l) {
-        const int low = (qs[32 * (g / 2) + l] >> (4 * (g % 2))) & 0xF;
-        c[32 * g + l] = static_cast<int8_t>(low | (((qh[l] >> g) & 1) << 4));
-      }
-    return c;
-  }
-};
-
-// ql[128], qh[64], scales[16] (int8), d. Value r of half h (0..127): low 4 bits from
-// ql[64 h + r % 64] >> (4 (r / 64)), high 2 from qh[32 h + r % 32] >> (2 (r / 32)); minus 32.
-struct Q6_K {
-  static constexpr int QK = 256, BYTES = 210, G = 16;
-  static constexpr bool MIN = false;
-  static const int8_t* block(const uint8_t* b, int8_t* c, float* s, float*) {
-    const float d = f16(b + 208);
-    const int8_t* sc = reinterpret_cast<const int8_t*>(b + 192);
-    for (int g = 0; g < 16; ++g) s[g] = d * static_cast<float>(sc[g]);
-    for (int h = 0; h < 2; ++h) {
-      const uint8_t *ql = b + 64 * h, *qh = b + 128 + 32 * h;
-      int8_t* o = c + 128 * h;
-#if defined(STRATA_BLOCKS_AVX2)
-      const __m256i f = _mm256_set1_epi8(0x0F), three = _mm256_set1_epi8(3), k32 = _mm256_set1_epi8(32);
-      const __m256i l0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(ql));
-      const __m256i l1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(ql + 32));
-      const __m256i hv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qh));
-      const __m256i lows[4] = {_mm256_and_si256(l0, f), _mm256_and_si256(l1, f),
-                               _mm256_and_si256(_mm256_srli_epi16(l0, 4), f),
-                               _mm256_and_si256(_mm256_srli_epi16(l1, 4), f)};
-      for (int i = 0; i < 4; ++i) {
-        const __m256i hi = _mm256_slli_epi16(_mm256_and_si256(_mm256_srl_epi16(hv, _mm_cvtsi32_si128(2 * i)), three), 4);
-        _mm256_storeu_si256(reinterpret_cast<__m256i*>(o + 32 * i), _mm256_sub_epi8(_mm256_or_si256(lows[i], hi), k32));
-      }
-#else
-      for (int r = 0; r < 128; ++r) {
-        const int low = (ql[r % 64] >> (4 * (r / 64))) & 0xF, high = (qh[r % 32] >> (2 * (r / 32))) & 3;
-        o[r] = static_cast<int8_t>((low | (high << 4)) - 32);
-      }
-#endif
-    }
-    return c;
-  }
-};
-
-// scales[16] (4-bit scale | 4-bit min << 4), qs[64] (2 bits), d, dmin: value = d sc q - dmin mn
-struct Q2_K {
-  static constexpr int QK = 256, BYTES = 84, G = 16;
-  static constexpr bool MIN = true;
-  static const int8_t* block(const uint8_t* b, int8_t* c, float* s, float* m) {
-    const float d = f16(b + 80), dmin = f16(b + 82);
-    for (int g = 0; g < 16; ++g) {
-      s[g] = d * static_cast<float>(b[g] & 0xF);
-      m[g] = -(dmin * static_cast<float>(b[g] >> 4));
-    }
-    const uint8_t* qs = b + 16;
-    for (int i = 0; i < 256; ++i) {
-      const int h = i / 128, r = i % 128;
-      c[i] = static_cast<int8_t>((qs[32 * h + r % 32] >> (2 * (r / 32))) & 3);
-    }
-    return c;
-  }
-};
-
-// hmask[32] (a clear bit subtracts 4), qs[64] (2 bits), scales[12] (6-bit, minus 32), d
-struct Q3_K {
-  static constexpr int QK = 256, BYTES = 110, G = 16;
-  static constexpr bool MIN = false;
-  static const int8_t* block(const uint8_t* b, int8_t* c, float* s, float*) {
-    const float d = f16(b + 108);
-    const uint8_t* p = b + 96;
-    for (int g = 0; g < 16; ++g) {
-      const int low = g < 8 ? p[g] & 0xF : p[g - 8] >> 4;
-      const int high = (p[8 + g % 4] >> (2 * (g / 4))) & 3;
-      s[g] = d * static_cast<float>(static_cast<int8_t>(low | (high << 4)) - 32);
-    }
-    const uint8_t *hm = b, *qs = b + 32;
-    for (int i = 0; i < 256; ++i) {
-      const int h = i / 128, r = i % 128;
-      const int q = (qs[32 * h + r % 32] >> (2 * (r / 32))) & 3;
-      c[i] = static_cast<int8_t>(q - (((hm[i % 32] >> (i / 32)) & 1) ? 0 : 4));
-    }
-    return c;
-  }
-};
 
 // ---- the products ----
 
@@ -476,52 +246,29 @@ void tile_cols(int nr, const Tile& t, int r0, int64_t K, const float* const* x, 
 template <class T>
 void run(const uint8_t* w, int64_t N, int64_t K, const float* x, const float* xs, int64_t M, float* y) {
   const int64_t nb = K / T::QK, rb = nb * T::BYTES, xsw = T::MIN ? 8 * (K / T::G) : 0;
-  if (M == 1) {
-    const int64_t tiles = (N + FLY_ROWS - 1) / FLY_ROWS;
-    // a small matrix stays on the calling thread: waking a second one costs more than it saves
-    const int64_t grain = N * rb < (1 << 18) ? tiles + 1 : 1;
-    at::parallel_for(0, tiles, grain, [&](int64_t b, int64_t e) {
-      for (int64_t t = b; t < e; ++t) {
-        const int64_t n = t * FLY_ROWS;
-        const int nr = static_cast<int>(std::min<int64_t>(FLY_ROWS, N - n));
-        fly_rows<T>(nr, w + n * rb, rb, x, xs, nb, y + n);
-      }
-    });
-    return;
-  }
-  if (M <= FEW_ROWS) {
-    const int64_t grain = N * rb < (1 << 18) ? N + 1 : 8;
-    at::parallel_for(0, N, grain, [&](int64_t b, int64_t e) {
-      for (int64_t n = b; n < e; ++n)
-        few_rows<T>(static_cast<int>(M), w + n * rb, x, K, xs, xsw, nb, y + n, N);
-    });
-    return;
-  }
   const int64_t per_tile = std::max<int64_t>(TILE_NR, TILE_FLOATS / K / TILE_NR * TILE_NR);
-  const int64_t tiles = (N + per_tile - 1) / per_tile;
-  at::parallel_for(0, tiles, 1, [&](int64_t b, int64_t e) {
-    Tile t;
-    for (int64_t tt = b; tt < e; ++tt) {
-      const int64_t n0 = tt * per_tile;
-      const int rows = static_cast<int>(std::min(per_tile, N - n0));
-      decode_rows<T>(w + n0 * rb, rb, rows, nb, t);
-      for (int64_t i = 0; i < M; i += TILE_MR) {
-        const int mr = static_cast<int>(std::min<int64_t>(TILE_MR, M - i));
-        const float* xp[TILE_MR];
-        const float* xsp[TILE_MR];
-        for (int a = 0; a < mr; ++a) {
-          xp[a] = x + (i + a) * K;
-          xsp[a] = xs + (i + a) * xsw;
-        }
-        for (int r = 0; r < rows; r += TILE_NR) {
-          const int nr = std::min(TILE_NR, rows - r);
-          float* yp[TILE_MR];
-          for (int a = 0; a < mr; ++a) yp[a] = y + (i + a) * N + n0 + r;
-          if (mr == TILE_MR)
-            tile_cols<T, TILE_MR>(nr, t, r, K, xp, xsp, yp);
-          else
-            tile_cols<T, 1>(nr, t, r, K, xp, xsp, yp);
-        }
+  split_rows(N, rb, M, FLY_ROWS, FEW_ROWS, per_tile, [&](int64_t n0, int64_t count) {
+    if (M == 1) return fly_rows<T>(static_cast<int>(count), w + n0 * rb, rb, x, xs, nb, y + n0);
+    if (M <= FEW_ROWS) return few_rows<T>(static_cast<int>(M), w + n0 * rb, x, K, xs, xsw, nb, y + n0, N);
+    thread_local Tile t;
+    const int rows = static_cast<int>(count);
+    decode_rows<T>(w + n0 * rb, rb, rows, nb, t);
+    for (int64_t i = 0; i < M; i += TILE_MR) {
+      const int mr = static_cast<int>(std::min<int64_t>(TILE_MR, M - i));
+      const float* xp[TILE_MR];
+      const float* xsp[TILE_MR];
+      for (int a = 0; a < mr; ++a) {
+        xp[a] = x + (i + a) * K;
+        xsp[a] = xs + (i + a) * xsw;
+      }
+      for (int r = 0; r < rows; r += TILE_NR) {
+        const int nr = std::min(TILE_NR, rows - r);
+        float* yp[TILE_MR];
+        for (int a = 0; a < mr; ++a) yp[a] = y + (i + a) * N + n0 + r;
+        if (mr == TILE_MR)
+          tile_cols<T, TILE_MR>(nr, t, r, K, xp, xsp, yp);
+        else
+          tile_cols<T, 1>(nr, t, r, K, xp, xsp, yp);
       }
     }
   });
@@ -552,9 +299,13 @@ std::vector<int64_t> block_types() {
   return out;
 }
 
+// float_out: float32 products, not rounded to x's dtype (logits).
 // x [M, K] float32/bfloat16/float16; blocks uint8 [N, K / block size * type size], row n the
 // file's bytes of weight row n; qtype a gguf.GGMLQuantizationType value. Returns x @ W.T [M, N].
-at::Tensor block_matmul(const at::Tensor& x, const at::Tensor& blocks, int64_t qtype) {
+void fixed_block_matmul(const float* x, int64_t M, int64_t K, const uint8_t* blocks, int64_t N, int64_t qtype,
+                        float* y);
+
+at::Tensor block_matmul(const at::Tensor& x, const at::Tensor& blocks, int64_t qtype, bool float_out) {
   const TypeInfo* ti = nullptr;
   for (const TypeInfo& t : TYPES)
     if (t.qtype == qtype) ti = &t;
@@ -569,22 +320,32 @@ at::Tensor block_matmul(const at::Tensor& x, const at::Tensor& blocks, int64_t q
   TORCH_CHECK(K % ti->qk == 0, "block_matmul: K = ", K, " is not a multiple of the block size ", ti->qk);
   TORCH_CHECK(blocks.size(1) == K / ti->qk * ti->bytes, "block_matmul: ", blocks.size(1),
               " bytes per row do not hold K = ", K, " values (", K / ti->qk * ti->bytes, " bytes)");
-  at::Tensor out = at::empty({M, N}, x.options());
+  at::Tensor out = at::empty({M, N}, float_out ? x.options().dtype(at::kFloat) : x.options());
   if (M == 0 || N == 0) return out;
   if (K == 0) return out.zero_();
-  // x as float32 (exact from bf16/fp16), and per group the lane sums for the min term; the
-  // buffers are the thread's own and kept: a decode step makes a hundred small calls
+  // x as float32 (exact from bf16/fp16); the buffers are the thread's own and kept: a decode
+  // step makes a hundred small calls
   thread_local std::vector<float> xbuf, xs, ybuf;
-  const bool f32 = x.scalar_type() == at::kFloat;
-  const float* xp = f32 ? x.data_ptr<float>() : nullptr;
-  if (!f32) {
+  if (x.scalar_type() != at::kFloat) {  // bf16/fp16: 16-bit fixed point, blocks_fixed.cpp
     xbuf.resize(M * K);
     AT_DISPATCH_REDUCED_FLOATING_TYPES(x.scalar_type(), "block_matmul", [&] {
       const scalar_t* src = x.data_ptr<scalar_t>();
       for (int64_t i = 0; i < M * K; ++i) xbuf[i] = static_cast<float>(src[i]);
     });
-    xp = xbuf.data();
+    if (float_out) {
+      fixed_block_matmul(xbuf.data(), M, K, blocks.data_ptr<uint8_t>(), N, qtype, out.data_ptr<float>());
+      return out;
+    }
+    ybuf.resize(M * N);
+    fixed_block_matmul(xbuf.data(), M, K, blocks.data_ptr<uint8_t>(), N, qtype, ybuf.data());
+    AT_DISPATCH_REDUCED_FLOATING_TYPES(x.scalar_type(), "block_matmul", [&] {
+      scalar_t* dst = out.data_ptr<scalar_t>();
+      for (int64_t i = 0; i < M * N; ++i) dst[i] = static_cast<scalar_t>(ybuf[i]);
+    });
+    return out;
   }
+  // float32: per group the lane sums for the min term
+  const float* xp = x.data_ptr<float>();
   const int64_t ng = K / ti->group, xsw = ti->min ? 8 * ng : 0;
   xs.resize(M * xsw);
   if (ti->min) {
@@ -597,15 +358,6 @@ at::Tensor block_matmul(const at::Tensor& x, const at::Tensor& blocks, int64_t q
         vstore(xs.data() + i * xsw + 8 * g, s);
       }
   }
-  if (f32) {
-    ti->fn(blocks.data_ptr<uint8_t>(), N, K, xp, xs.data(), M, out.data_ptr<float>());
-  } else {
-    ybuf.resize(M * N);
-    ti->fn(blocks.data_ptr<uint8_t>(), N, K, xp, xs.data(), M, ybuf.data());
-    AT_DISPATCH_REDUCED_FLOATING_TYPES(x.scalar_type(), "block_matmul", [&] {
-      scalar_t* dst = out.data_ptr<scalar_t>();
-      for (int64_t i = 0; i < M * N; ++i) dst[i] = static_cast<scalar_t>(ybuf[i]);
-    });
-  }
+  ti->fn(blocks.data_ptr<uint8_t>(), N, K, xp, xs.data(), M, out.data_ptr<float>());
   return out;
 }

@@ -10,7 +10,7 @@
 
 #include <functional>
 
-at::Tensor block_matmul(const at::Tensor& x, const at::Tensor& blocks, int64_t qtype);
+at::Tensor block_matmul(const at::Tensor& x, const at::Tensor& blocks, int64_t qtype, bool float_out);
 
 namespace {
 
@@ -64,8 +64,8 @@ at::Tensor experts_blocks(const at::Tensor& x, const at::Tensor& ids, const at::
                           int64_t qup, int64_t qdown) {
   TORCH_CHECK(x.is_contiguous(), "experts_blocks: x must be contiguous");
   return combine(x, ids, weights, [&](int64_t e, const at::Tensor& rows) {
-    at::Tensor g = block_matmul(rows, gate[e], qgate);
-    at::Tensor u = block_matmul(rows, up[e], qup);
-    return block_matmul((at::silu(g) * u).contiguous(), down[e], qdown);
+    at::Tensor g = block_matmul(rows, gate[e], qgate, false);
+    at::Tensor u = block_matmul(rows, up[e], qup, false);
+    return block_matmul((at::silu(g) * u).contiguous(), down[e], qdown, false);
   });
 }

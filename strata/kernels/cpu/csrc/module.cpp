@@ -12,7 +12,7 @@ std::tuple<at::Tensor, at::Tensor> add_rms_norm(const at::Tensor& h, const at::T
 std::tuple<at::Tensor, at::Tensor, at::Tensor> rope_qkv(const at::Tensor& qkv, const at::Tensor& cos,
                                                         const at::Tensor& sin, int64_t hq, int64_t hkv);
 at::Tensor silu_mul(const at::Tensor& gate_up);
-at::Tensor block_matmul(const at::Tensor& x, const at::Tensor& blocks, int64_t qtype);
+at::Tensor block_matmul(const at::Tensor& x, const at::Tensor& blocks, int64_t qtype, bool float_out);
 std::vector<int64_t> block_types();
 at::Tensor experts_dense(const at::Tensor& x, const at::Tensor& ids, const at::Tensor& weights,
                          const at::Tensor& gate, const at::Tensor& up, const at::Tensor& down);
@@ -28,7 +28,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("add_rms_norm", &add_rms_norm, "(h + a, weight * rms_normalise(h + a))");
   m.def("rope_qkv", &rope_qkv, "q, k rotated and v, out of the fused projection");
   m.def("silu_mul", &silu_mul, "silu(gate) * up");
-  m.def("block_matmul", &block_matmul, "x @ W.T with W in a GGUF file's own quantized blocks");
+  m.def("block_matmul", &block_matmul, "x @ W.T with W in a GGUF file's own quantized blocks", py::arg("x"),
+        py::arg("blocks"), py::arg("qtype"), py::arg("float_out") = false);
   m.def("block_types", &block_types, "the gguf.GGMLQuantizationType values block_matmul takes");
   m.def("experts_dense", &experts_dense, "a MoE layer's routed experts, dense weights, in expert order");
   m.def("experts_blocks", &experts_blocks, "a MoE layer's routed experts, GGUF block weights, in expert order");
