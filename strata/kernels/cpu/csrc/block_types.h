@@ -256,7 +256,7 @@ struct Q3_K {
 // n0 .. n0 + rows - 1 of the output for every x row.
 template <class Each>
 void split_rows(int64_t N, int64_t row_bytes, int64_t M, int64_t fly, int64_t few, int64_t per_tile, Each each) {
-  const bool small = N * row_bytes < (1 << 18);
+  const bool small = N * row_bytes < (1 << 16);
   const int64_t unit = M == 1 ? fly : M <= few ? 1 : per_tile;
   const int64_t units = (N + unit - 1) / unit;
   const int64_t grain = M > few ? 1 : small ? units + 1 : M == 1 ? 1 : 8;
