@@ -152,24 +152,24 @@ def fixed_reference(raw: np.ndarray, qtype: GGMLQuantizationType, x: np.ndarray,
         c, s, m = _simple_codes(raw[n], qtype)
         for i in range(x.shape[0]):
             acc = [np.float32(0)] * 16
+            mn = np.float32(0)
             for j in range(x.shape[1] // 32):
                 for k in range(16):
                     a, b = 32 * j + 2 * k, 32 * j + 2 * k + 1
                     pair = np.float32(int(c[a]) * int(q[i, a]) + int(c[b]) * int(q[i, b]))
                     acc[k] = _fma32(np.float32(s[j] * d[i, j]), pair, acc[k])
-                    if qtype == T.Q4_1:
-                        xs = np.float32(d[i, j] * np.float32(int(q[i, a]) + int(q[i, b])))
-                        acc[k] = _fma32(m[j], xs, acc[k])
+                if qtype == T.Q4_1:  # the min's own chain over the blocks
+                    mn = _fma32(m[j], np.float32(d[i, j] * np.float32(int(q[i, 32 * j:32 * j + 32].sum()))), mn)
             lanes = np.array(acc, dtype=np.float32)
             if tree == "kernel":  # k + 8, k + 4, then (0 + 2) + (1 + 3)
                 t = lanes[:8] + lanes[8:]
                 t = t[:4] + t[4:]
-                out[i, n] = (t[0] + t[2]) + (t[1] + t[3])
+                total = (t[0] + t[2]) + (t[1] + t[3])
             else:  # in order: a tree the kernel does not use
                 total = np.float32(0)
                 for v in lanes:
                     total = np.float32(total + v)
-                out[i, n] = total
+            out[i, n] = total + mn if qtype == T.Q4_1 else total
     return out
 
 

@@ -16,10 +16,12 @@
 // blocks j of the row in order:
 //   P   = c[2k] q[2k] + c[2k+1] q[2k+1]                  (int32, exact; |P| < 2^24)
 //   acc = fma(s * d_j, float(P), acc)                    (s * d_j exact: d_j is a power of two)
-//   acc = fma(m, d_j * float(q[2k] + q[2k+1]), acc)      (types with a min; the product exact)
-// where s and m are those of the group holding values 2k, 2k+1 (16-value groups: lanes 0-7
-// and 8-15 have their own). y = the lanes summed in a fixed tree (k + 8, k + 4, k + 2, k + 1),
-// rounded once to x's dtype. AVX-512, AVX2 and plain C++ compute exactly these operations,
+// where s is the scale of the group holding values 2k, 2k+1 (16-value groups: lanes 0-7 and
+// 8-15 have their own), and then sum = the lanes added in a fixed tree (k + 8, k + 4, k + 2,
+// k + 1). Types with a min also keep one float chain over the row's groups g in order:
+//   mn  = fma(m_g, X_g, mn),  X_g = d_j * float(the sum of q over the group)   (exact)
+// and the output is sum + mn (one rounding); it is rounded once more to x's dtype (not for
+// float32 logits). AVX-512, AVX2 and plain C++ compute exactly these operations,
 // so the bits are the same on every machine, and a row's result depends on nothing but its
 // own x row: not on M, the other rows or the thread count.
 #include <torch/extension.h>
@@ -54,6 +56,7 @@ inline F fhalves(float lo, float hi) {  // lanes 0-7 lo, 8-15 hi
 inline F fload(const float* p) { return {_mm512_loadu_ps(p)}; }
 inline void fstore(float* p, F a) { _mm512_storeu_ps(p, a.v); }
 inline F ffma(F a, F b, F c) { return {_mm512_fmadd_ps(a.v, b.v, c.v)}; }
+inline F fmul(F a, F b) { return {_mm512_mul_ps(a.v, b.v)}; }
 inline I codes(const int8_t* c) {  // two 16-byte loads: each forwards from the store that wrote it
   const __m128i lo = _mm_loadu_si128(reinterpret_cast<const __m128i*>(c));
   const __m128i hi = _mm_loadu_si128(reinterpret_cast<const __m128i*>(c + 16));
@@ -79,6 +82,7 @@ inline F fhalves(float lo, float hi) { return {_mm256_set1_ps(lo), _mm256_set1_p
 inline F fload(const float* p) { return {_mm256_loadu_ps(p), _mm256_loadu_ps(p + 8)}; }
 inline void fstore(float* p, F x) { _mm256_storeu_ps(p, x.a); _mm256_storeu_ps(p + 8, x.b); }
 inline F ffma(F x, F y, F z) { return {_mm256_fmadd_ps(x.a, y.a, z.a), _mm256_fmadd_ps(x.b, y.b, z.b)}; }
+inline F fmul(F x, F y) { return {_mm256_mul_ps(x.a, y.a), _mm256_mul_ps(x.b, y.b)}; }
 inline I codes(const int8_t* c) {
   return {_mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(c))),
           _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(c + 16)))};
@@ -109,6 +113,7 @@ inline F fhalves(float lo, float hi) { F r; for (int k = 0; k < 16; ++k) r.v[k] 
 inline F fload(const float* p) { F r; std::memcpy(r.v, p, sizeof r.v); return r; }
 inline void fstore(float* p, F a) { std::memcpy(p, a.v, sizeof a.v); }
 inline F ffma(F a, F b, F c) { for (int k = 0; k < 16; ++k) c.v[k] = std::fma(a.v[k], b.v[k], c.v[k]); return c; }
+inline F fmul(F a, F b) { for (int k = 0; k < 16; ++k) a.v[k] *= b.v[k]; return a; }
 inline I codes(const int8_t* c) { I r; for (int l = 0; l < 32; ++l) r.v[l] = c[l]; return r; }
 inline I iload(const int16_t* p) { I r; std::memcpy(r.v, p, sizeof r.v); return r; }
 inline void istore(int16_t* p, I a) { std::memcpy(p, a.v, sizeof a.v); }
@@ -128,14 +133,14 @@ inline float fsum(F a) {  // the vector trees above
 
 inline void prefetch(const void* p) { __builtin_prefetch(p, 0, 3); }
 
-// ---- x rows in fixed point: codes q [M, K], steps d [M, K / 32], min terms xs [M, K / 32, 16] ----
+// ---- x rows in fixed point: codes q [M, K], steps d [M, K / 32], min terms xs [M, K / G] ----
 struct Fixed {
   std::vector<int16_t> q;
-  std::vector<float> d, xs;
-  int64_t K = 0;
+  std::vector<float> d, xs;  // xs: X_g of each min group (group values G)
+  int64_t K = 0, G = 32;
   const int16_t* row_q(int64_t i) const { return q.data() + i * K; }
   const float* row_d(int64_t i) const { return d.data() + i * (K / 32); }
-  const float* row_xs(int64_t i) const { return xs.data() + i * (K / 2); }
+  const float* row_xs(int64_t i) const { return xs.data() + i * (K / G); }
 };
 
 // one 32-value block: its step and codes (see the arithmetic above)
@@ -169,21 +174,26 @@ inline float quantize32(const float* x, int16_t* q) {
   return std::ldexp(1.f, e - 15);
 }
 
-void to_fixed(const float* x, int64_t M, int64_t K, bool with_min, Fixed& fx) {
+// min_group: the values of a min's group (16 or 32), 0 for types without a min
+void to_fixed(const float* x, int64_t M, int64_t K, int min_group, Fixed& fx) {
   const int64_t nj = K / 32;
   fx.K = K;
+  fx.G = min_group ? min_group : 32;
   fx.q.resize(M * K);
   fx.d.resize(M * nj);
-  fx.xs.resize(with_min ? M * nj * 16 : 0);
+  fx.xs.resize(min_group ? M * (K / min_group) : 0);
   at::parallel_for(0, M, M >= 16 ? 4 : M + 1, [&](int64_t b, int64_t e) {
     for (int64_t i = b; i < e; ++i)
       for (int64_t j = 0; j < nj; ++j) {
         int16_t* q = fx.q.data() + i * K + 32 * j;
         const float d = quantize32(x + i * K + 32 * j, q);
         fx.d[i * nj + j] = d;
-        if (!with_min) continue;
-        float* s = fx.xs.data() + (i * nj + j) * 16;
-        for (int k = 0; k < 16; ++k) s[k] = d * static_cast<float>(int32_t{q[2 * k]} + q[2 * k + 1]);
+        if (!min_group) continue;
+        for (int g = 0; g < 32 / min_group; ++g) {
+          int32_t sum = 0;
+          for (int l = 0; l < min_group; ++l) sum += q[g * min_group + l];
+          fx.xs[i * (K / min_group) + j * (32 / min_group) + g] = d * static_cast<float>(sum);
+        }
       }
   });
 }
@@ -238,6 +248,7 @@ void fly(const uint8_t* w, int64_t rb, const int16_t* xq, const float* xd, const
   alignas(64) int8_t cbuf[NR][T::QK];
   float s[NR][NG], m[NR][NG];
   F acc[NR];
+  float mn[NR] = {};
   for (int r = 0; r < NR; ++r) acc[r] = fzero();
   const char* next = reinterpret_cast<const char*>(w + NR * rb);
   for (int64_t b = 0; b < nb; ++b) {
@@ -248,7 +259,7 @@ void fly(const uint8_t* w, int64_t rb, const int16_t* xq, const float* xd, const
       for (int r = 0; r < NR; ++r) {
         const uint8_t* blk = w + r * rb + b * T::BYTES;
         acc[r] = ffma(fset(f16(blk) * d), pairs(Direct<T>::codes(blk), xv), acc[r]);
-        if constexpr (T::MIN) acc[r] = ffma(fset(f16(blk + 2)), fload(xs + 16 * b), acc[r]);
+        if constexpr (T::MIN) mn[r] = std::fma(f16(blk + 2), xs[b], mn[r]);
       }
       continue;
     }
@@ -259,13 +270,12 @@ void fly(const uint8_t* w, int64_t rb, const int16_t* xq, const float* xd, const
       const I xv = iload(xq + 32 * j);
       const float d = xd[j];
       for (int r = 0; r < NR; ++r) acc[r] = ffma(lanes<T>(s[r], jj, d), pairs(codes(q[r] + 32 * jj), xv), acc[r]);
-      if constexpr (T::MIN) {
-        const F sx = fload(xs + 16 * j);
-        for (int r = 0; r < NR; ++r) acc[r] = ffma(lanes<T>(m[r], jj, 1.f), sx, acc[r]);
-      }
     }
+    if constexpr (T::MIN)
+      for (int r = 0; r < NR; ++r)
+        for (int g = 0; g < NG; ++g) mn[r] = std::fma(m[r][g], xs[b * NG + g], mn[r]);
   }
-  for (int r = 0; r < NR; ++r) y[r] = fsum(acc[r]);
+  for (int r = 0; r < NR; ++r) y[r] = T::MIN ? fsum(acc[r]) + mn[r] : fsum(acc[r]);
 }
 
 // A few lanes (2..FEW_ROWS x rows) against one weight row: each block unpacked once.
@@ -275,6 +285,7 @@ void fly_few(const uint8_t* w, const Fixed& fx, int64_t nb, float* y, int64_t N)
   alignas(64) int8_t cbuf[T::QK];
   float s[NG], m[NG];
   F acc[MR];
+  float mn[MR] = {};
   for (int i = 0; i < MR; ++i) acc[i] = fzero();
   for (int64_t b = 0; b < nb; ++b) {
     if constexpr (Direct<T>::on) {
@@ -283,7 +294,7 @@ void fly_few(const uint8_t* w, const Fixed& fx, int64_t nb, float* y, int64_t N)
       const float sc = f16(blk);
       for (int i = 0; i < MR; ++i) {
         acc[i] = ffma(fset(sc * fx.row_d(i)[b]), pairs(c, iload(fx.row_q(i) + 32 * b)), acc[i]);
-        if constexpr (T::MIN) acc[i] = ffma(fset(f16(blk + 2)), fload(fx.row_xs(i) + 16 * b), acc[i]);
+        if constexpr (T::MIN) mn[i] = std::fma(f16(blk + 2), fx.row_xs(i)[b], mn[i]);
       }
       continue;
     }
@@ -291,13 +302,14 @@ void fly_few(const uint8_t* w, const Fixed& fx, int64_t nb, float* y, int64_t N)
     for (int jj = 0; jj < NJ; ++jj) {
       const int64_t j = b * NJ + jj;
       const I c = codes(q + 32 * jj);
-      for (int i = 0; i < MR; ++i) {
+      for (int i = 0; i < MR; ++i)
         acc[i] = ffma(lanes<T>(s, jj, fx.row_d(i)[j]), pairs(c, iload(fx.row_q(i) + 32 * j)), acc[i]);
-        if constexpr (T::MIN) acc[i] = ffma(lanes<T>(m, jj, 1.f), fload(fx.row_xs(i) + 16 * j), acc[i]);
-      }
     }
+    if constexpr (T::MIN)
+      for (int i = 0; i < MR; ++i)
+        for (int g = 0; g < NG; ++g) mn[i] = std::fma(m[g], fx.row_xs(i)[b * NG + g], mn[i]);
   }
-  for (int i = 0; i < MR; ++i) y[i * N] = fsum(acc[i]);
+  for (int i = 0; i < MR; ++i) y[i * N] = T::MIN ? fsum(acc[i]) + mn[i] : fsum(acc[i]);
 }
 
 constexpr int FEW_ROWS = 8;
@@ -315,26 +327,51 @@ void few_rows(int mr, const uint8_t* w, const Fixed& fx, int64_t nb, float* y, i
   }
 }
 
-// A tile of weight rows decoded once: int16 codes [rows][K], scales and mins [rows][K / G].
+// A tile of weight rows decoded once: int16 codes [rows][K], scales [rows][K / G], and the mins
+// transposed, [K / G][rows], so that one vector carries 16 rows' min chains.
 struct Tile {
   std::vector<int16_t> q;
-  std::vector<float> s, m;
+  std::vector<float> s, mt;
+  int rows = 0;
 };
 
 template <class T>
 void decode_rows(const uint8_t* w, int64_t rb, int rows, int64_t nb, Tile& t) {
   constexpr int NG = T::QK / T::G;
   const int64_t K = nb * T::QK, ng = nb * NG;
+  t.rows = rows;
   t.q.resize(rows * K);
   t.s.resize(rows * ng);
-  t.m.resize(rows * ng);
+  t.mt.resize(T::MIN ? rows * ng : 0);
   alignas(64) int8_t cbuf[T::QK];
+  float m[NG];
   for (int r = 0; r < rows; ++r)
     for (int64_t b = 0; b < nb; ++b) {
-      const int8_t* c = T::block(w + r * rb + b * T::BYTES, cbuf, t.s.data() + r * ng + b * NG,
-                                 t.m.data() + r * ng + b * NG);
+      const int8_t* c = T::block(w + r * rb + b * T::BYTES, cbuf, t.s.data() + r * ng + b * NG, m);
       for (int jj = 0; jj < T::QK / 32; ++jj) istore(t.q.data() + r * K + b * T::QK + 32 * jj, codes(c + 32 * jj));
+      if constexpr (T::MIN)
+        for (int g = 0; g < NG; ++g) t.mt[(b * NG + g) * rows + r] = m[g];
     }
+}
+
+// The min chains of a tile's rows for x row i, added to the lane sums in y: 16 rows a vector.
+template <class T>
+void tile_mins(const Tile& t, int64_t K, const Fixed& fx, int64_t i, float* y) {
+  const int64_t ng = K / T::G;
+  const float* xs = fx.row_xs(i);
+  int r = 0;
+  for (; r + 16 <= t.rows; r += 16) {
+    F mn = fzero();
+    for (int64_t g = 0; g < ng; ++g) mn = ffma(fload(t.mt.data() + g * t.rows + r), fset(xs[g]), mn);
+    alignas(64) float v[16];
+    fstore(v, mn);
+    for (int l = 0; l < 16; ++l) y[r + l] += v[l];
+  }
+  for (; r < t.rows; ++r) {
+    float mn = 0.f;
+    for (int64_t g = 0; g < ng; ++g) mn = std::fma(t.mt[g * t.rows + r], xs[g], mn);
+    y[r] += mn;
+  }
 }
 
 // MR x rows against NR decoded weight rows: per (x row, weight row) fly()'s operations.
@@ -347,16 +384,15 @@ void tile_kernel(const Tile& t, int r0, int64_t K, const Fixed& fx, int64_t i0, 
   for (int64_t j = 0; j < nj; ++j) {
     const int64_t g0 = j * 32 / T::G;  // the group of the block's first value
     I c[NR];
-    for (int r = 0; r < NR; ++r) c[r] = iload(t.q.data() + (r0 + r) * K + 32 * j);
+    F sv[NR];  // the rows' scales in their lanes; s * d below is the same product as fly's
+    for (int r = 0; r < NR; ++r) {
+      c[r] = iload(t.q.data() + (r0 + r) * K + 32 * j);
+      sv[r] = lanes<T>(t.s.data() + (r0 + r) * ng + g0, 0, 1.f);
+    }
     for (int i = 0; i < MR; ++i) {
       const I xv = iload(fx.row_q(i0 + i) + 32 * j);
-      const float d = fx.row_d(i0 + i)[j];
-      for (int r = 0; r < NR; ++r)
-        acc[i][r] = ffma(lanes<T>(t.s.data() + (r0 + r) * ng + g0, 0, d), pairs(c[r], xv), acc[i][r]);
-      if constexpr (T::MIN) {
-        const F sx = fload(fx.row_xs(i0 + i) + 16 * j);
-        for (int r = 0; r < NR; ++r) acc[i][r] = ffma(lanes<T>(t.m.data() + (r0 + r) * ng + g0, 0, 1.f), sx, acc[i][r]);
-      }
+      const F d = fset(fx.row_d(i0 + i)[j]);
+      for (int r = 0; r < NR; ++r) acc[i][r] = ffma(fmul(sv[r], d), pairs(c[r], xv), acc[i][r]);
     }
   }
   for (int i = 0; i < MR; ++i)
@@ -410,18 +446,21 @@ void run(const uint8_t* w, int64_t N, int64_t K, const Fixed& fx, int64_t M, flo
       for (int r = 0; r < rows; r += TILE_NR)
         tile_rows<T>(static_cast<int>(std::min<int64_t>(TILE_MR, M - i)), std::min(TILE_NR, rows - r), t, r, K, fx,
                      i, y + n0 + r, N);
+    if constexpr (T::MIN)
+      for (int64_t i = 0; i < M; ++i) tile_mins<T>(t, K, fx, i, y + i * N + n0);
   });
 }
 
 struct TypeInfo {
   int64_t qtype;
   bool min;
+  int64_t group;
   void (*fn)(const uint8_t*, int64_t, int64_t, const Fixed&, int64_t, float*);
 };
 
 template <class T>
 constexpr TypeInfo info(int64_t qtype) {
-  return {qtype, T::MIN, &run<T>};
+  return {qtype, T::MIN, T::G, &run<T>};
 }
 
 const TypeInfo TYPES[] = {
@@ -440,6 +479,6 @@ void fixed_block_matmul(const float* x, int64_t M, int64_t K, const uint8_t* blo
     if (t.qtype == qtype) ti = &t;
   TORCH_CHECK(ti != nullptr, "block_matmul: unsupported GGML quantization type ", qtype);
   thread_local Fixed fx;  // the thread's own and kept: a decode step makes a hundred small calls
-  to_fixed(x, M, K, ti->min, fx);
+  to_fixed(x, M, K, ti->min ? static_cast<int>(ti->group) : 0, fx);
   ti->fn(blocks, N, K, fx, M, y);
 }
