@@ -57,6 +57,29 @@ def test_matches_float64_attention(kernel, hq, hkv, d, qdt, kvdt, tol) -> None:
     torch.testing.assert_close(got.double(), want, atol=tol, rtol=tol)
 
 
+@pytest.mark.parametrize("hq,hkv,d", [(9, 3, 64), (6, 2, 24)])  # the fixed path and the generic one
+@pytest.mark.parametrize("window", [0, 700])
+def test_long_rows_read_in_chunks_match_float64(kernel, hq, hkv, d, window) -> None:
+    """Rows past 512 keys are read in 512-key pieces and combined (windowed rows from their
+    first key): 511 / 512 / 513 keys sit at the edge, 1,400 keys make three pieces."""
+    torch.manual_seed(d)
+    n_cells = 1500
+    k = (torch.randn(n_cells, hkv, d) * 2).bfloat16()
+    v = torch.randn(n_cells, hkv, d).bfloat16()
+    cells = torch.randperm(n_cells)[None]
+    row_pos = torch.tensor([510, 511, 512, 1023, 1399])
+    row_seq = torch.zeros(5, dtype=torch.long)
+    q = torch.randn(5, hq, d)
+    got = kernel.attend(q, k, v, cells, row_seq, row_pos, d**-0.5, window)
+    want = torch.empty(q.shape, dtype=torch.float64)
+    for t in range(5):  # the float64 reference over the row's window
+        first = max(0, int(row_pos[t]) - window + 1) if window else 0
+        one = _float64_attention(q[t:t + 1], k, v, cells[:, first:], row_seq[t:t + 1], row_pos[t:t + 1] - first,
+                                 d**-0.5)
+        want[t] = one[0]
+    torch.testing.assert_close(got.double(), want, atol=2e-6, rtol=2e-6)
+
+
 @pytest.mark.parametrize("d", [64, 40])
 def test_a_row_is_the_same_bits_alone_or_in_any_batch(kernel, d) -> None:
     torch.manual_seed(1)

@@ -9,12 +9,18 @@
 // that a prompt read at once gives.
 //
 // Arithmetic: float32 throughout; exact two-pass softmax (max, then exp and
-// sum). With AVX-512 the 16-wide vectors below; elsewhere the same steps in
+// sum). A row with more than CHUNK keys is read in chunks of CHUNK keys (from
+// its first key; so the chunks depend on the row's own length only), each
+// chunk's maximum, sum and unnormalised output kept, then combined in chunk
+// order: M = the largest maximum, w_c = exp(max_c - M), out = (sum of w_c *
+// out_c) / (sum of w_c * sum_c). The chunks of one decode row spread over the
+// threads; a row of at most CHUNK keys is computed as one piece, as before. With AVX-512 the 16-wide vectors below; elsewhere the same steps in
 // scalar code (a different machine may round differently, one machine never
 // does). exp is a degree-6 polynomial after range reduction (about 1 ulp).
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <vector>
@@ -60,6 +66,9 @@ inline __m512 exp_nonpositive(__m512 x) {
   return _mm512_maskz_mov_ps(keep, _mm512_scalef_ps(p, k));
 }
 
+// exp(x) of one x <= 0, as the softmax computes it
+inline float chunk_weight(float x) { return _mm512_cvtss_f32(exp_nonpositive(_mm512_set1_ps(x))); }
+
 // Full vectors are loaded and stored without masks: a masked load of data a
 // masked store just wrote is not forwarded from the store buffer and stalls.
 // one row of D values as float32 into buf
@@ -79,12 +88,13 @@ inline float dot(const float* a, const float* b, int64_t D) {
 }
 
 // s[0..n) = exp(s - max(s)); returns their sum
-inline float softmax_numerators(float* s, int64_t n) {
+inline float softmax_numerators(float* s, int64_t n, float* peak_out) {
   __m512 mx = _mm512_set1_ps(-INFINITY);
   int64_t j = 0;
   for (; j + W <= n; j += W) mx = _mm512_max_ps(mx, _mm512_loadu_ps(s + j));
   if (j < n) mx = _mm512_mask_max_ps(mx, tail(n - j), mx, load(s + j, tail(n - j)));
-  const __m512 peak = _mm512_set1_ps(_mm512_reduce_max_ps(mx));
+  *peak_out = _mm512_reduce_max_ps(mx);
+  const __m512 peak = _mm512_set1_ps(*peak_out);
   __m512 total = _mm512_setzero_ps();
   for (j = 0; j + W <= n; j += W) {
     const __m512 e = exp_nonpositive(_mm512_sub_ps(_mm512_loadu_ps(s + j), peak));
@@ -116,7 +126,7 @@ inline void axpy(float p, const float* x, float* y, int64_t D) {
 // then one reduction), so the result of a row never depends on its neighbours.
 template <int NV, typename Q, typename KV>
 void attend_row_fixed(const Q* q, const KV* k, const KV* v, int64_t cell_stride, const int64_t* cells,
-                      int64_t n, int64_t G, float scale, Q* out, float* work) {
+                      int64_t n, int64_t G, float scale, Q* out, float* work, float* part) {
   constexpr int64_t D = NV * W;
   float* s = work;
   float* acc = s + G * n;
@@ -147,7 +157,8 @@ void attend_row_fixed(const Q* q, const KV* k, const KV* v, int64_t cell_stride,
     }
   }
   for (int64_t g = 0; g < G; ++g) {
-    const float denom = softmax_numerators(s + g * n, n);
+    float peak;
+    const float denom = softmax_numerators(s + g * n, n, &peak);
     __m512 o[NV];
     for (int c = 0; c < NV; ++c) o[c] = _mm512_setzero_ps();
     const float* sg = s + g * n;
@@ -155,6 +166,13 @@ void attend_row_fixed(const Q* q, const KV* k, const KV* v, int64_t cell_stride,
       const __m512 pv = _mm512_set1_ps(sg[jj]);
       const KV* vr = v + cells[jj] * cell_stride;
       for (int c = 0; c < NV; ++c) o[c] = _mm512_fmadd_ps(pv, load(vr + c * W, 0xFFFF), o[c]);
+    }
+    if (part != nullptr) {  // a chunk: its maximum, sum and unnormalised output
+      float* pg = part + g * (D + 2);
+      pg[0] = peak;
+      pg[1] = denom;
+      for (int c = 0; c < NV; ++c) _mm512_storeu_ps(pg + 2 + c * W, o[c]);
+      continue;
     }
     const float inv = 1.0f / denom;
     for (int c = 0; c < NV; ++c) _mm512_storeu_ps(acc + c * W, _mm512_mul_ps(o[c], _mm512_set1_ps(inv)));
@@ -173,9 +191,10 @@ inline float dot(const float* a, const float* b, int64_t D) {
   return acc;
 }
 
-inline float softmax_numerators(float* s, int64_t n) {
+inline float softmax_numerators(float* s, int64_t n, float* peak_out) {
   float peak = -INFINITY;
   for (int64_t j = 0; j < n; ++j) peak = s[j] > peak ? s[j] : peak;
+  *peak_out = peak;
   float total = 0.f;
   for (int64_t j = 0; j < n; ++j) {
     const float x = s[j] - peak;
@@ -188,13 +207,15 @@ inline float softmax_numerators(float* s, int64_t n) {
 inline void axpy(float p, const float* x, float* y, int64_t D) {
   for (int64_t d = 0; d < D; ++d) y[d] += p * x[d];
 }
+
+inline float chunk_weight(float x) { return x >= EXP_FLOOR ? std::exp(x) : 0.f; }
 #endif
 
 // One query row of G heads sharing one KV head, over n keys at `cells`.
 // work: G*D (q) + D (a key or value row) + G*n (scores) + G*D (weighted sums).
 template <typename Q, typename KV>
 void attend_row(const Q* q, const KV* k, const KV* v, int64_t cell_stride, const int64_t* cells, int64_t n,
-                int64_t G, int64_t D, float scale, Q* out, float* work) {
+                int64_t G, int64_t D, float scale, Q* out, float* work, float* part) {
   float* qf = work;
   float* row = qf + G * D;
   float* s = row + D;
@@ -204,16 +225,46 @@ void attend_row(const Q* q, const KV* k, const KV* v, int64_t cell_stride, const
     widen(k + cells[j] * cell_stride, row, D);
     for (int64_t g = 0; g < G; ++g) s[g * n + j] = dot(qf + g * D, row, D) * scale;
   }
-  float denom[64];
-  for (int64_t g = 0; g < G; ++g) denom[g] = softmax_numerators(s + g * n, n);
+  float denom[64], peak[64];
+  for (int64_t g = 0; g < G; ++g) denom[g] = softmax_numerators(s + g * n, n, &peak[g]);
   std::fill(acc, acc + G * D, 0.f);
   for (int64_t j = 0; j < n; ++j) {
     widen(v + cells[j] * cell_stride, row, D);
     for (int64_t g = 0; g < G; ++g) axpy(s[g * n + j], row, acc + g * D, D);
   }
   for (int64_t g = 0; g < G; ++g) {
+    if (part != nullptr) {  // a chunk: its maximum, sum and unnormalised output
+      float* pg = part + g * (D + 2);
+      pg[0] = peak[g];
+      pg[1] = denom[g];
+      std::copy(acc + g * D, acc + (g + 1) * D, pg + 2);
+      continue;
+    }
     const float inv = 1.0f / denom[g];
     for (int64_t d = 0; d < D; ++d) out[g * D + d] = static_cast<Q>(acc[g * D + d] * inv);
+  }
+}
+
+constexpr int64_t CHUNK = 512;  // keys a piece of a row reads (see the arithmetic above)
+
+// pieces [chunks][G][max, sum, D unnormalised outputs] of one row and kv head -> out [G, D]
+template <typename Q>
+void combine_chunks(const float* pieces, int64_t chunks, int64_t G, int64_t D, Q* out) {
+  const int64_t stride = G * (D + 2);
+  std::vector<float> o(D);
+  for (int64_t g = 0; g < G; ++g) {
+    float top = -INFINITY;
+    for (int64_t c = 0; c < chunks; ++c) top = std::max(top, pieces[c * stride + g * (D + 2)]);
+    float total = 0.f;
+    std::fill(o.begin(), o.end(), 0.f);
+    for (int64_t c = 0; c < chunks; ++c) {
+      const float* p = pieces + c * stride + g * (D + 2);
+      const float w = chunk_weight(p[0] - top);
+      total = total + w * p[1];
+      for (int64_t d = 0; d < D; ++d) o[d] = o[d] + w * p[2 + d];
+    }
+    const float inv = 1.0f / total;
+    for (int64_t d = 0; d < D; ++d) out[g * D + d] = static_cast<Q>(o[d] * inv);
   }
 }
 
@@ -238,32 +289,52 @@ void attend_all(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, c
     TORCH_CHECK(pos[t] >= 0 && pos[t] < L, "row ", t, " reads ", pos[t] + 1, " keys of ", L, " cells");
     keys += pos[t] + 1 - first_of(t);
   }
-  // threads pay only for large steps (prompt reading, many lanes); a decode row stays on one
-  const int64_t grain = keys * Hq * D < (1 << 18) ? T * Hkv + 1 : 1;
-  at::parallel_for(0, T * Hkv, grain, [&](int64_t begin, int64_t end) {
+  // a row's chunks: rows past CHUNK keys keep per-chunk pieces in `parts`, combined below
+  std::vector<int64_t> first_item(T + 1), first_part(T + 1);
+  for (int64_t t = 0; t < T; ++t) {
+    const int64_t chunks = (pos[t] + 1 - first_of(t) + CHUNK - 1) / CHUNK;
+    first_item[t + 1] = first_item[t] + chunks * Hkv;
+    first_part[t + 1] = first_part[t] + (chunks > 1 ? chunks * Hkv : 0);
+  }
+  const int64_t items = first_item[T];
+  std::vector<float> parts(static_cast<size_t>(first_part[T] * G * (D + 2)));
+  // threads pay only for large steps (prompt reading, many lanes, long rows)
+  const int64_t grain = keys * Hq * D < (1 << 18) ? items + 1 : 1;
+  at::parallel_for(0, items, grain, [&](int64_t begin, int64_t end) {
     std::vector<float> work;
+    int64_t t = std::upper_bound(first_item.begin(), first_item.end(), begin) - first_item.begin() - 1;
     for (int64_t item = begin; item < end; ++item) {
-      const int64_t t = item / Hkv, h = item % Hkv;
-      const int64_t first = first_of(t);
-      const int64_t n = pos[t] + 1 - first;
+      while (item >= first_item[t + 1]) ++t;
+      const int64_t chunks = (first_item[t + 1] - first_item[t]) / Hkv;
+      const int64_t h = (item - first_item[t]) / chunks, chunk = (item - first_item[t]) % chunks;
+      const int64_t first = first_of(t) + chunk * CHUNK;
+      const int64_t n = std::min(CHUNK, pos[t] + 1 - first);
       const size_t need = static_cast<size_t>(2 * G * D + D + G * n);
       if (work.size() < need) work.resize(need);
       const Q* qr = qp + (t * Hq + h * G) * D;
       Q* orow = op + (t * Hq + h * G) * D;
       const int64_t* c = cp + seq[t] * L + first;
+      float* part = chunks > 1 ? parts.data() + (first_part[t] + h * chunks + chunk) * G * (D + 2) : nullptr;
 #if defined(__AVX512F__)
       if (D == 64 && G <= 8) {
-        attend_row_fixed<4, Q, KV>(qr, kp + h * D, vp + h * D, Hkv * D, c, n, G, scale, orow, work.data());
+        attend_row_fixed<4, Q, KV>(qr, kp + h * D, vp + h * D, Hkv * D, c, n, G, scale, orow, work.data(), part);
         continue;
       }
       if (D == 128 && G <= 8) {
-        attend_row_fixed<8, Q, KV>(qr, kp + h * D, vp + h * D, Hkv * D, c, n, G, scale, orow, work.data());
+        attend_row_fixed<8, Q, KV>(qr, kp + h * D, vp + h * D, Hkv * D, c, n, G, scale, orow, work.data(), part);
         continue;
       }
 #endif
-      attend_row<Q, KV>(qr, kp + h * D, vp + h * D, Hkv * D, c, n, G, D, scale, orow, work.data());
+      attend_row<Q, KV>(qr, kp + h * D, vp + h * D, Hkv * D, c, n, G, D, scale, orow, work.data(), part);
     }
   });
+  for (int64_t t = 0; t < T; ++t) {  // the chunked rows: their pieces combined in chunk order
+    const int64_t chunks = (first_item[t + 1] - first_item[t]) / Hkv;
+    if (chunks == 1) continue;
+    for (int64_t h = 0; h < Hkv; ++h)
+      combine_chunks(parts.data() + (first_part[t] + h * chunks) * G * (D + 2), chunks, G, D,
+                     op + (t * Hq + h * G) * D);
+  }
 }
 
 template <typename Q>
