@@ -250,16 +250,17 @@ struct Q3_K {
 
 // How both block kernels share a product among threads: by output rows, never along a row's
 // reduction, so a row's bits do not depend on the thread count. The product's M rows of x
-// pick the shape: one lane takes weight rows `fly` at a time, 2..few lanes one at a time, more
-// lanes tiles of `per_tile` decoded rows. A small matrix (under 256 KiB) stays on the calling
-// thread: waking a second one costs more than it saves. each(n0, rows) computes rows
-// n0 .. n0 + rows - 1 of the output for every x row.
+// pick the shape: one lane takes weight rows `fly` at a time, 2..few lanes `few_unit` at a
+// time, more lanes tiles of `per_tile` decoded rows. A small matrix (under 64 KiB) stays on
+// the calling thread: waking a second one costs more than it saves. each(n0, rows) computes
+// rows n0 .. n0 + rows - 1 of the output for every x row.
 template <class Each>
-void split_rows(int64_t N, int64_t row_bytes, int64_t M, int64_t fly, int64_t few, int64_t per_tile, Each each) {
+void split_rows(int64_t N, int64_t row_bytes, int64_t M, int64_t fly, int64_t few, int64_t few_unit,
+                int64_t per_tile, Each each) {
   const bool small = N * row_bytes < (1 << 16);
-  const int64_t unit = M == 1 ? fly : M <= few ? 1 : per_tile;
+  const int64_t unit = M == 1 ? fly : M <= few ? few_unit : per_tile;
   const int64_t units = (N + unit - 1) / unit;
-  const int64_t grain = M > few ? 1 : small ? units + 1 : M == 1 ? 1 : 8;
+  const int64_t grain = M > few ? 1 : small ? units + 1 : M == 1 ? 1 : std::max<int64_t>(1, 8 / few_unit);
   at::parallel_for(0, units, grain, [&](int64_t b, int64_t e) {
     for (int64_t u = b; u < e; ++u) each(u * unit, std::min(unit, N - u * unit));
   });

@@ -247,7 +247,7 @@ template <class T>
 void run(const uint8_t* w, int64_t N, int64_t K, const float* x, const float* xs, int64_t M, float* y) {
   const int64_t nb = K / T::QK, rb = nb * T::BYTES, xsw = T::MIN ? 8 * (K / T::G) : 0;
   const int64_t per_tile = std::max<int64_t>(TILE_NR, TILE_FLOATS / K / TILE_NR * TILE_NR);
-  split_rows(N, rb, M, FLY_ROWS, FEW_ROWS, per_tile, [&](int64_t n0, int64_t count) {
+  split_rows(N, rb, M, FLY_ROWS, FEW_ROWS, 1, per_tile, [&](int64_t n0, int64_t count) {
     if (M == 1) return fly_rows<T>(static_cast<int>(count), w + n0 * rb, rb, x, xs, nb, y + n0);
     if (M <= FEW_ROWS) return few_rows<T>(static_cast<int>(M), w + n0 * rb, x, K, xs, xsw, nb, y + n0, N);
     thread_local Tile t;

@@ -240,26 +240,36 @@ inline F lanes(const float* s, int jj, float d) {
 
 // ---- the products ----
 
-// One lane: NR weight rows against one x row, prefetching the next NR rows as it goes.
-template <class T, int NR>
-void fly(const uint8_t* w, int64_t rb, const int16_t* xq, const float* xd, const float* xs, int64_t nb,
-         float* y) {
+// MR x rows (one lane, or a few: a drafted run) against NR weight rows, each block unpacked
+// once, prefetching the next NR weight rows as it goes. y [MR rows of stride N][NR].
+template <class T, int MR, int NR>
+void fly(const uint8_t* w, int64_t rb, const Fixed& fx, int64_t nb, float* y, int64_t N) {
   constexpr int NG = T::QK / T::G, NJ = T::QK / 32, LINES = (NR * T::BYTES + 63) / 64;
   alignas(64) int8_t cbuf[NR][T::QK];
   float s[NR][NG], m[NR][NG];
-  F acc[NR];
-  float mn[NR] = {};
-  for (int r = 0; r < NR; ++r) acc[r] = fzero();
+  F acc[MR][NR];
+  float mn[MR][NR] = {};
+  for (int i = 0; i < MR; ++i)
+    for (int r = 0; r < NR; ++r) acc[i][r] = fzero();
   const char* next = reinterpret_cast<const char*>(w + NR * rb);
   for (int64_t b = 0; b < nb; ++b) {
     for (int l = 0; l < LINES; ++l) prefetch(next + (b * LINES + l) * 64);
     if constexpr (Direct<T>::on) {  // one 32-value block a row, scale and min as fp16 fields
-      const I xv = iload(xq + 32 * b);
-      const float d = xd[b];
+      I c[NR];
+      F sv[NR];
+      float mins[NR];
       for (int r = 0; r < NR; ++r) {
         const uint8_t* blk = w + r * rb + b * T::BYTES;
-        acc[r] = ffma(fset(f16(blk) * d), pairs(Direct<T>::codes(blk), xv), acc[r]);
-        if constexpr (T::MIN) mn[r] = std::fma(f16(blk + 2), xs[b], mn[r]);
+        c[r] = Direct<T>::codes(blk);
+        sv[r] = fset(f16(blk));
+        if constexpr (T::MIN) mins[r] = f16(blk + 2);
+      }
+      for (int i = 0; i < MR; ++i) {
+        const I xv = iload(fx.row_q(i) + 32 * b);
+        const F d = fset(fx.row_d(i)[b]);
+        for (int r = 0; r < NR; ++r) acc[i][r] = ffma(fmul(sv[r], d), pairs(c[r], xv), acc[i][r]);
+        if constexpr (T::MIN)
+          for (int r = 0; r < NR; ++r) mn[i][r] = std::fma(mins[r], fx.row_xs(i)[b], mn[i][r]);
       }
       continue;
     }
@@ -267,63 +277,54 @@ void fly(const uint8_t* w, int64_t rb, const int16_t* xq, const float* xd, const
     for (int r = 0; r < NR; ++r) q[r] = T::block(w + r * rb + b * T::BYTES, cbuf[r], s[r], m[r]);
     for (int jj = 0; jj < NJ; ++jj) {
       const int64_t j = b * NJ + jj;
-      const I xv = iload(xq + 32 * j);
-      const float d = xd[j];
-      for (int r = 0; r < NR; ++r) acc[r] = ffma(lanes<T>(s[r], jj, d), pairs(codes(q[r] + 32 * jj), xv), acc[r]);
-    }
-    if constexpr (T::MIN)
-      for (int r = 0; r < NR; ++r)
-        for (int g = 0; g < NG; ++g) mn[r] = std::fma(m[r][g], xs[b * NG + g], mn[r]);
-  }
-  for (int r = 0; r < NR; ++r) y[r] = T::MIN ? fsum(acc[r]) + mn[r] : fsum(acc[r]);
-}
-
-// A few lanes (2..FEW_ROWS x rows) against one weight row: each block unpacked once.
-template <class T, int MR>
-void fly_few(const uint8_t* w, const Fixed& fx, int64_t nb, float* y, int64_t N) {
-  constexpr int NG = T::QK / T::G, NJ = T::QK / 32;
-  alignas(64) int8_t cbuf[T::QK];
-  float s[NG], m[NG];
-  F acc[MR];
-  float mn[MR] = {};
-  for (int i = 0; i < MR; ++i) acc[i] = fzero();
-  for (int64_t b = 0; b < nb; ++b) {
-    if constexpr (Direct<T>::on) {
-      const uint8_t* blk = w + b * T::BYTES;
-      const I c = Direct<T>::codes(blk);
-      const float sc = f16(blk);
-      for (int i = 0; i < MR; ++i) {
-        acc[i] = ffma(fset(sc * fx.row_d(i)[b]), pairs(c, iload(fx.row_q(i) + 32 * b)), acc[i]);
-        if constexpr (T::MIN) mn[i] = std::fma(f16(blk + 2), fx.row_xs(i)[b], mn[i]);
+      I c[NR];
+      F sv[NR];
+      for (int r = 0; r < NR; ++r) {
+        c[r] = codes(q[r] + 32 * jj);
+        sv[r] = lanes<T>(s[r], jj, 1.f);
       }
-      continue;
-    }
-    const int8_t* q = T::block(w + b * T::BYTES, cbuf, s, m);
-    for (int jj = 0; jj < NJ; ++jj) {
-      const int64_t j = b * NJ + jj;
-      const I c = codes(q + 32 * jj);
-      for (int i = 0; i < MR; ++i)
-        acc[i] = ffma(lanes<T>(s, jj, fx.row_d(i)[j]), pairs(c, iload(fx.row_q(i) + 32 * j)), acc[i]);
+      for (int i = 0; i < MR; ++i) {
+        const I xv = iload(fx.row_q(i) + 32 * j);
+        const F d = fset(fx.row_d(i)[j]);
+        for (int r = 0; r < NR; ++r) acc[i][r] = ffma(fmul(sv[r], d), pairs(c[r], xv), acc[i][r]);
+      }
     }
     if constexpr (T::MIN)
       for (int i = 0; i < MR; ++i)
-        for (int g = 0; g < NG; ++g) mn[i] = std::fma(m[g], fx.row_xs(i)[b * NG + g], mn[i]);
+        for (int r = 0; r < NR; ++r)
+          for (int g = 0; g < NG; ++g) mn[i][r] = std::fma(m[r][g], fx.row_xs(i)[b * NG + g], mn[i][r]);
   }
-  for (int i = 0; i < MR; ++i) y[i * N] = T::MIN ? fsum(acc[i]) + mn[i] : fsum(acc[i]);
+  for (int i = 0; i < MR; ++i)
+    for (int r = 0; r < NR; ++r) y[i * N + r] = T::MIN ? fsum(acc[i][r]) + mn[i][r] : fsum(acc[i][r]);
 }
 
 constexpr int FEW_ROWS = 8;
+#if defined(STRATA_FIXED_512)
+constexpr int FLY_ROWS = 4;  // weight rows a step of one to four lanes runs together
+#else
+constexpr int FLY_ROWS = 2;  // AVX2: each F is two of 16 registers
+#endif
+
+// MR = 1..FEW_ROWS x rows against `nr` weight rows (FLY_ROWS, or a tail of fewer, a row at a time)
+template <class T, int MR>
+void fly_rows(int nr, const uint8_t* w, int64_t rb, const Fixed& fx, int64_t nb, float* y, int64_t N) {
+  constexpr int NR = MR <= 4 ? FLY_ROWS : (FLY_ROWS + 1) / 2;  // the accumulators fit the registers
+  int r = 0;
+  for (; r + NR <= nr; r += NR) fly<T, MR, NR>(w + r * rb, rb, fx, nb, y + r, N);
+  for (; r < nr; ++r) fly<T, MR, 1>(w + r * rb, rb, fx, nb, y + r, N);
+}
 
 template <class T>
-void few_rows(int mr, const uint8_t* w, const Fixed& fx, int64_t nb, float* y, int64_t N) {
+void few_rows(int mr, int nr, const uint8_t* w, int64_t rb, const Fixed& fx, int64_t nb, float* y, int64_t N) {
   switch (mr) {
-    case 8: return fly_few<T, 8>(w, fx, nb, y, N);
-    case 7: return fly_few<T, 7>(w, fx, nb, y, N);
-    case 6: return fly_few<T, 6>(w, fx, nb, y, N);
-    case 5: return fly_few<T, 5>(w, fx, nb, y, N);
-    case 4: return fly_few<T, 4>(w, fx, nb, y, N);
-    case 3: return fly_few<T, 3>(w, fx, nb, y, N);
-    default: return fly_few<T, 2>(w, fx, nb, y, N);
+    case 1: return fly_rows<T, 1>(nr, w, rb, fx, nb, y, N);
+    case 2: return fly_rows<T, 2>(nr, w, rb, fx, nb, y, N);
+    case 3: return fly_rows<T, 3>(nr, w, rb, fx, nb, y, N);
+    case 4: return fly_rows<T, 4>(nr, w, rb, fx, nb, y, N);
+    case 5: return fly_rows<T, 5>(nr, w, rb, fx, nb, y, N);
+    case 6: return fly_rows<T, 6>(nr, w, rb, fx, nb, y, N);
+    case 7: return fly_rows<T, 7>(nr, w, rb, fx, nb, y, N);
+    default: return fly_rows<T, 8>(nr, w, rb, fx, nb, y, N);
   }
 }
 
@@ -399,7 +400,6 @@ void tile_kernel(const Tile& t, int r0, int64_t K, const Fixed& fx, int64_t i0, 
     for (int r = 0; r < NR; ++r) y[(i0 + i) * N + r] = fsum(acc[i][r]);
 }
 
-constexpr int FLY_ROWS = 4;
 #if defined(STRATA_FIXED_512)
 constexpr int TILE_MR = 4, TILE_NR = 3;  // 12 accumulators of 32 registers
 #else
@@ -431,14 +431,9 @@ template <class T>
 void run(const uint8_t* w, int64_t N, int64_t K, const Fixed& fx, int64_t M, float* y) {
   const int64_t nb = K / T::QK, rb = nb * T::BYTES;
   const int64_t per_tile = std::max<int64_t>(TILE_NR, TILE_VALUES / K / TILE_NR * TILE_NR);
-  split_rows(N, rb, M, FLY_ROWS, FEW_ROWS, per_tile, [&](int64_t n0, int64_t count) {
-    if (M == 1) {
-      if (count == FLY_ROWS) return fly<T, FLY_ROWS>(w + n0 * rb, rb, fx.row_q(0), fx.row_d(0), fx.xs.data(), nb, y + n0);
-      for (int64_t r = 0; r < count; ++r)  // a tail: the same operations, a row at a time
-        fly<T, 1>(w + (n0 + r) * rb, rb, fx.row_q(0), fx.row_d(0), fx.xs.data(), nb, y + n0 + r);
-      return;
-    }
-    if (M <= FEW_ROWS) return few_rows<T>(static_cast<int>(M), w + n0 * rb, fx, nb, y + n0, N);
+  split_rows(N, rb, M, FLY_ROWS, FEW_ROWS, FLY_ROWS, per_tile, [&](int64_t n0, int64_t count) {
+    if (M <= FEW_ROWS)
+      return few_rows<T>(static_cast<int>(M), static_cast<int>(count), w + n0 * rb, rb, fx, nb, y + n0, N);
     thread_local Tile t;
     const int rows = static_cast<int>(count);
     decode_rows<T>(w + n0 * rb, rb, rows, nb, t);
