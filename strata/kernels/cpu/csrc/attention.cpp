@@ -120,6 +120,45 @@ inline void axpy(float p, const float* x, float* y, int64_t D) {
   }
 }
 
+constexpr int64_t AHEAD = 16;  // keys ahead whose rows are prefetched (a gather by cell)
+
+inline void prefetch_row(const void* p, int64_t bytes) {
+  for (int64_t o = 0; o < bytes; o += 64) _mm_prefetch(static_cast<const char*>(p) + o, _MM_HINT_T0);
+}
+
+// GB heads' weighted sums of the value rows (weights s[g * sn + j], the softmax numerators),
+// then either the output (divided by denom) or a chunk's piece (max, sum, unnormalised sum).
+template <int NV, int GB, typename Q, typename KV>
+void weigh_values(const KV* v, int64_t cell_stride, const int64_t* cells, int64_t n, const float* s, int64_t sn,
+                  const float* peak, const float* denom, Q* out, float* acc, float* part) {
+  constexpr int64_t D = NV * W;
+  __m512 o[GB][NV];
+  for (int g = 0; g < GB; ++g)
+    for (int c = 0; c < NV; ++c) o[g][c] = _mm512_setzero_ps();
+  for (int64_t jj = 0; jj < n; ++jj) {
+    if (jj + AHEAD < n) prefetch_row(v + cells[jj + AHEAD] * cell_stride, D * sizeof(KV));
+    const KV* vr = v + cells[jj] * cell_stride;
+    __m512 vv[NV];
+    for (int c = 0; c < NV; ++c) vv[c] = load(vr + c * W, 0xFFFF);
+    for (int g = 0; g < GB; ++g) {
+      const __m512 pv = _mm512_set1_ps(s[g * sn + jj]);
+      for (int c = 0; c < NV; ++c) o[g][c] = _mm512_fmadd_ps(pv, vv[c], o[g][c]);
+    }
+  }
+  for (int g = 0; g < GB; ++g) {
+    if (part != nullptr) {  // a chunk: its maximum, sum and unnormalised output
+      float* pg = part + g * (D + 2);
+      pg[0] = peak[g];
+      pg[1] = denom[g];
+      for (int c = 0; c < NV; ++c) _mm512_storeu_ps(pg + 2 + c * W, o[g][c]);
+      continue;
+    }
+    const float inv = 1.0f / denom[g];
+    for (int c = 0; c < NV; ++c) _mm512_storeu_ps(acc + c * W, _mm512_mul_ps(o[g][c], _mm512_set1_ps(inv)));
+    for (int64_t d = 0; d < D; ++d) out[g * D + d] = static_cast<Q>(acc[d]);
+  }
+}
+
 // attend_row for D = 16 * NV: rows live in registers, and four keys are scored
 // at once so that four reductions overlap. Each key's score is the same
 // arithmetic as in the generic path (one fused multiply-add chain over D,
@@ -135,6 +174,8 @@ void attend_row_fixed(const Q* q, const KV* k, const KV* v, int64_t cell_stride,
     for (int c = 0; c < NV; ++c) qv[g][c] = load(q + g * D + c * W, 0xFFFF);
   int64_t j = 0;
   for (; j + 4 <= n; j += 4) {
+    if (j + AHEAD + 4 <= n)
+      for (int u = 0; u < 4; ++u) prefetch_row(k + cells[j + AHEAD + u] * cell_stride, D * sizeof(KV));
     __m512 kr[4][NV];
     for (int u = 0; u < 4; ++u)
       for (int c = 0; c < NV; ++c) kr[u][c] = load(k + cells[j + u] * cell_stride + c * W, 0xFFFF);
@@ -156,27 +197,17 @@ void attend_row_fixed(const Q* q, const KV* k, const KV* v, int64_t cell_stride,
       s[g * n + j] = _mm512_reduce_add_ps(a) * scale;
     }
   }
-  for (int64_t g = 0; g < G; ++g) {
-    float peak;
-    const float denom = softmax_numerators(s + g * n, n, &peak);
-    __m512 o[NV];
-    for (int c = 0; c < NV; ++c) o[c] = _mm512_setzero_ps();
-    const float* sg = s + g * n;
-    for (int64_t jj = 0; jj < n; ++jj) {
-      const __m512 pv = _mm512_set1_ps(sg[jj]);
-      const KV* vr = v + cells[jj] * cell_stride;
-      for (int c = 0; c < NV; ++c) o[c] = _mm512_fmadd_ps(pv, load(vr + c * W, 0xFFFF), o[c]);
+  float peak[8], denom[8];
+  for (int64_t g = 0; g < G; ++g) denom[g] = softmax_numerators(s + g * n, n, &peak[g]);
+  // the values: one pass over the keys for up to four heads at a time (each head's sum runs
+  // over the keys in order, as one head at a time would)
+  for (int64_t g0 = 0; g0 < G; g0 += 4) {
+    switch (std::min<int64_t>(4, G - g0)) {
+      case 4: weigh_values<NV, 4>(v, cell_stride, cells, n, s + g0 * n, n, peak + g0, denom + g0, out + g0 * D, acc, part ? part + g0 * (D + 2) : nullptr); break;
+      case 3: weigh_values<NV, 3>(v, cell_stride, cells, n, s + g0 * n, n, peak + g0, denom + g0, out + g0 * D, acc, part ? part + g0 * (D + 2) : nullptr); break;
+      case 2: weigh_values<NV, 2>(v, cell_stride, cells, n, s + g0 * n, n, peak + g0, denom + g0, out + g0 * D, acc, part ? part + g0 * (D + 2) : nullptr); break;
+      default: weigh_values<NV, 1>(v, cell_stride, cells, n, s + g0 * n, n, peak + g0, denom + g0, out + g0 * D, acc, part ? part + g0 * (D + 2) : nullptr); break;
     }
-    if (part != nullptr) {  // a chunk: its maximum, sum and unnormalised output
-      float* pg = part + g * (D + 2);
-      pg[0] = peak;
-      pg[1] = denom;
-      for (int c = 0; c < NV; ++c) _mm512_storeu_ps(pg + 2 + c * W, o[c]);
-      continue;
-    }
-    const float inv = 1.0f / denom;
-    for (int c = 0; c < NV; ++c) _mm512_storeu_ps(acc + c * W, _mm512_mul_ps(o[c], _mm512_set1_ps(inv)));
-    for (int64_t d = 0; d < D; ++d) out[g * D + d] = static_cast<Q>(acc[d]);
   }
 }
 #else
