@@ -23,6 +23,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <memory>
 #include <vector>
 
 #if defined(__AVX512F__)
@@ -328,7 +329,8 @@ void attend_all(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, c
     first_part[t + 1] = first_part[t] + (chunks > 1 ? chunks * Hkv : 0);
   }
   const int64_t items = first_item[T];
-  std::vector<float> parts(static_cast<size_t>(first_part[T] * G * (D + 2)));
+  // every piece is written before it is read: no zeroing (a prompt's pieces run to megabytes)
+  std::unique_ptr<float[]> parts(new float[static_cast<size_t>(first_part[T] * G * (D + 2))]);
   // threads pay only for large steps (prompt reading, many lanes, long rows)
   const int64_t grain = keys * Hq * D < (1 << 18) ? items + 1 : 1;
   at::parallel_for(0, items, grain, [&](int64_t begin, int64_t end) {
@@ -345,7 +347,7 @@ void attend_all(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, c
       const Q* qr = qp + (t * Hq + h * G) * D;
       Q* orow = op + (t * Hq + h * G) * D;
       const int64_t* c = cp + seq[t] * L + first;
-      float* part = chunks > 1 ? parts.data() + (first_part[t] + h * chunks + chunk) * G * (D + 2) : nullptr;
+      float* part = chunks > 1 ? parts.get() + (first_part[t] + h * chunks + chunk) * G * (D + 2) : nullptr;
 #if defined(__AVX512F__)
       if (D == 64 && G <= 8) {
         attend_row_fixed<4, Q, KV>(qr, kp + h * D, vp + h * D, Hkv * D, c, n, G, scale, orow, work.data(), part);
@@ -363,7 +365,7 @@ void attend_all(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, c
     const int64_t chunks = (first_item[t + 1] - first_item[t]) / Hkv;
     if (chunks == 1) continue;
     for (int64_t h = 0; h < Hkv; ++h)
-      combine_chunks(parts.data() + (first_part[t] + h * chunks) * G * (D + 2), chunks, G, D,
+      combine_chunks(parts.get() + (first_part[t] + h * chunks) * G * (D + 2), chunks, G, D,
                      op + (t * Hq + h * G) * D);
   }
 }
