@@ -2,9 +2,10 @@
 
 `attend` (attention over the pool's cells, `attention.py`) and the row-wise
 pieces of a decoder layer (`elementwise.cpp`, used through `models/ops.py`),
-`block_matmul` (`blocks.cpp`, bf16/fp16 x through `blocks_fixed.cpp`): x @ W.T
-with W in a GGUF file's own quantized blocks, for the types in `BLOCK_TYPES`, and `experts_dense` /
-`experts_blocks` (`experts.cpp`): a MoE layer's routed experts in one call.
+`block_matmul` (`blocks.cpp`, bf16/fp16 x through `blocks_fixed.cpp`): x @
+W.T with W in a GGUF file's own quantized blocks, for the types in
+`BLOCK_TYPES`, and `experts_dense` / `experts_blocks` (`experts.cpp`): a MoE
+layer's routed experts in one call.
 
 torch compiles it on first use with the machine's C++ compiler (about a
 minute on 2 cores) and caches the build under torch's extensions folder;

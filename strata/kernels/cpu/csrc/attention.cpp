@@ -24,6 +24,7 @@
 #include <cmath>
 #include <cstdint>
 #include <memory>
+#include <type_traits>
 #include <vector>
 
 #if defined(__AVX512F__)
@@ -127,10 +128,10 @@ inline void prefetch_row(const void* p, int64_t bytes) {
   for (int64_t o = 0; o < bytes; o += 64) _mm_prefetch(static_cast<const char*>(p) + o, _MM_HINT_T0);
 }
 
-// GB heads' weighted sums of the value rows (weights s[g * sn + j], the softmax numerators),
+// GB heads' weighted sums of the value rows (weights s[g * n + j], the softmax numerators),
 // then either the output (divided by denom) or a chunk's piece (max, sum, unnormalised sum).
 template <int NV, int GB, typename Q, typename KV>
-void weigh_values(const KV* v, int64_t cell_stride, const int64_t* cells, int64_t n, const float* s, int64_t sn,
+void weigh_values(const KV* v, int64_t cell_stride, const int64_t* cells, int64_t n, const float* s,
                   const float* peak, const float* denom, Q* out, float* acc, float* part) {
   constexpr int64_t D = NV * W;
   __m512 o[GB][NV];
@@ -142,7 +143,7 @@ void weigh_values(const KV* v, int64_t cell_stride, const int64_t* cells, int64_
     __m512 vv[NV];
     for (int c = 0; c < NV; ++c) vv[c] = load(vr + c * W, 0xFFFF);
     for (int g = 0; g < GB; ++g) {
-      const __m512 pv = _mm512_set1_ps(s[g * sn + jj]);
+      const __m512 pv = _mm512_set1_ps(s[g * n + jj]);
       for (int c = 0; c < NV; ++c) o[g][c] = _mm512_fmadd_ps(pv, vv[c], o[g][c]);
     }
   }
@@ -203,11 +204,15 @@ void attend_row_fixed(const Q* q, const KV* k, const KV* v, int64_t cell_stride,
   // the values: one pass over the keys for up to four heads at a time (each head's sum runs
   // over the keys in order, as one head at a time would)
   for (int64_t g0 = 0; g0 < G; g0 += 4) {
+    const auto weigh = [&](auto heads) {
+      weigh_values<NV, decltype(heads)::value>(v, cell_stride, cells, n, s + g0 * n, peak + g0, denom + g0,
+                                               out + g0 * D, acc, part ? part + g0 * (D + 2) : nullptr);
+    };
     switch (std::min<int64_t>(4, G - g0)) {
-      case 4: weigh_values<NV, 4>(v, cell_stride, cells, n, s + g0 * n, n, peak + g0, denom + g0, out + g0 * D, acc, part ? part + g0 * (D + 2) : nullptr); break;
-      case 3: weigh_values<NV, 3>(v, cell_stride, cells, n, s + g0 * n, n, peak + g0, denom + g0, out + g0 * D, acc, part ? part + g0 * (D + 2) : nullptr); break;
-      case 2: weigh_values<NV, 2>(v, cell_stride, cells, n, s + g0 * n, n, peak + g0, denom + g0, out + g0 * D, acc, part ? part + g0 * (D + 2) : nullptr); break;
-      default: weigh_values<NV, 1>(v, cell_stride, cells, n, s + g0 * n, n, peak + g0, denom + g0, out + g0 * D, acc, part ? part + g0 * (D + 2) : nullptr); break;
+      case 4: weigh(std::integral_constant<int, 4>{}); break;
+      case 3: weigh(std::integral_constant<int, 3>{}); break;
+      case 2: weigh(std::integral_constant<int, 2>{}); break;
+      default: weigh(std::integral_constant<int, 1>{}); break;
     }
   }
 }

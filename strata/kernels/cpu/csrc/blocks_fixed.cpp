@@ -231,11 +231,11 @@ struct Direct<Q4_1> {
 };
 #endif
 
-// the scale (or min) lanes of x block jj of a weight block whose groups hold G values
+// the scale lanes of x block jj of a weight block whose groups hold G values (s: its scales)
 template <class T>
-inline F lanes(const float* s, int jj, float d) {
-  if constexpr (T::G == 32) return fset(s[jj] * d);
-  else return fhalves(s[2 * jj] * d, s[2 * jj + 1] * d);
+inline F scales(const float* s, int jj) {
+  if constexpr (T::G == 32) return fset(s[jj]);
+  else return fhalves(s[2 * jj], s[2 * jj + 1]);
 }
 
 // ---- the products ----
@@ -281,7 +281,7 @@ void fly(const uint8_t* w, int64_t rb, const Fixed& fx, int64_t nb, float* y, in
       F sv[NR];
       for (int r = 0; r < NR; ++r) {
         c[r] = codes(q[r] + 32 * jj);
-        sv[r] = lanes<T>(s[r], jj, 1.f);
+        sv[r] = scales<T>(s[r], jj);
       }
       for (int i = 0; i < MR; ++i) {
         const I xv = iload(fx.row_q(i) + 32 * j);
@@ -388,7 +388,7 @@ void tile_kernel(const Tile& t, int r0, int64_t K, const Fixed& fx, int64_t i0, 
     F sv[NR];  // the rows' scales in their lanes; s * d below is the same product as fly's
     for (int r = 0; r < NR; ++r) {
       c[r] = iload(t.q.data() + (r0 + r) * K + 32 * j);
-      sv[r] = lanes<T>(t.s.data() + (r0 + r) * ng + g0, 0, 1.f);
+      sv[r] = scales<T>(t.s.data() + (r0 + r) * ng + g0, 0);
     }
     for (int i = 0; i < MR; ++i) {
       const I xv = iload(fx.row_q(i0 + i) + 32 * j);
