@@ -74,3 +74,29 @@ def test_auto_keeps_blocks_for_a_quantized_gguf_file(tmp_path) -> None:
     assert resolve_weight_mode("auto", cpu, torch.bfloat16, block_source=True) == "gguf"
     assert resolve_weight_mode("auto", cpu, torch.bfloat16, four_bit_source=True) == "int4"
     assert resolve_weight_mode("dense", cpu, torch.bfloat16, block_source=True) == "dense"
+
+
+def _modules_path(loaded) -> None:
+    """Every layer computed by its modules (the C++ two-call layer declined)."""
+    for layer in loaded.model.layers:
+        layer._blocks_plan = ()
+
+
+def test_a_layer_in_two_cpu_calls_gives_the_modules_bits(tmp_path) -> None:
+    """`block_qkv` / `block_tail` compose the modules' C++ functions in their order: logits and
+    greedy tokens are the modules' to the bit, with a mixed-type q/k/v and (qwen2) its bias."""
+    for kind in ("llama_plain", "qwen2"):
+        path = write_gguf(tiny_hf_model(kind), tmp_path / f"{kind}.gguf", "llama" if kind == "llama_plain" else kind,
+                          types=TYPES)
+        fused = load_model(str(path), device="cpu", dtype="bfloat16", weights="gguf", progress=False)
+        plain = load_model(str(path), device="cpu", dtype="bfloat16", weights="gguf", progress=False)
+        _modules_path(plain)
+        h = torch.randn(3, fused.config.hidden_size).bfloat16()
+        assert all(layer._cpu_blocks(h) is not None for layer in fused.model.layers)  # the fold is taken
+        got, want = prompt_logits(fused, PROMPT), prompt_logits(plain, PROMPT)
+        assert torch.equal(got, want), kind
+        assert greedy(fused, PROMPT, 12) == greedy(plain, PROMPT, 12)
+        # negative control: one code of one layer's down projection changed in the folded model
+        down = fused.model.layers[1].mlp.down_proj.blocks0
+        down[0, 4] ^= 0x11
+        assert not torch.equal(prompt_logits(fused, PROMPT), want)

@@ -4,7 +4,8 @@
 pieces of a decoder layer (`elementwise.cpp`, used through `models/ops.py`),
 `block_matmul` (`blocks.cpp`, bf16/fp16 x through `blocks_fixed.cpp`): x @
 W.T with W in a GGUF file's own quantized blocks, for the types in
-`BLOCK_TYPES`, and `experts_dense` / `experts_blocks` (`experts.cpp`): a MoE
+`BLOCK_TYPES`, `block_qkv` / `block_tail` (`block_layer.cpp`): a dense layer over
+such blocks in two calls, and `experts_dense` / `experts_blocks` (`experts.cpp`): a MoE
 layer's routed experts in one call.
 
 torch compiles it on first use with the machine's C++ compiler (about a
@@ -34,7 +35,7 @@ from strata.knobs import flag
 log = logging.getLogger(__name__)
 SOURCES = [Path(__file__).parent / "csrc" / f
            for f in ("module.cpp", "attention.cpp", "elementwise.cpp", "blocks.cpp", "blocks_fixed.cpp",
-                     "experts.cpp")]
+                     "block_layer.cpp", "experts.cpp")]
 HEADERS = [Path(__file__).parent / "csrc" / "block_types.h"]
 # -ffp-contract=off: a*b+c rounds twice, as the torch expressions the row-wise kernels replace
 CFLAGS = ["-O3", "-march=native", "-fopenmp", "-ffp-contract=off"]
