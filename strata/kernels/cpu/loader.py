@@ -36,7 +36,7 @@ log = logging.getLogger(__name__)
 SOURCES = [Path(__file__).parent / "csrc" / f
            for f in ("module.cpp", "attention.cpp", "elementwise.cpp", "blocks.cpp", "blocks_fixed.cpp",
                      "block_layer.cpp", "experts.cpp")]
-HEADERS = [Path(__file__).parent / "csrc" / "block_types.h"]
+HEADERS = [Path(__file__).parent / "csrc" / f for f in ("block_types.h", "kernels.h")]
 # -ffp-contract=off: a*b+c rounds twice, as the torch expressions the row-wise kernels replace
 CFLAGS = ["-O3", "-march=native", "-fopenmp", "-ffp-contract=off"]
 # gguf.GGMLQuantizationType values `block_matmul` takes (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q2_K

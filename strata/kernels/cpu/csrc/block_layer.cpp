@@ -11,18 +11,7 @@
 //               h + y
 // The weights come as segments: a projection whose rows are of several block types (Q4_K_M
 // files mix Q4_K and Q6_K) is one product per segment, concatenated along the output.
-#include <torch/extension.h>
-
-#include <tuple>
-#include <vector>
-
-at::Tensor block_matmul(const at::Tensor& x, const at::Tensor& blocks, int64_t qtype, bool float_out);
-at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps);
-std::tuple<at::Tensor, at::Tensor> add_rms_norm(const at::Tensor& h, const at::Tensor& a, const at::Tensor& weight,
-                                                double eps);
-std::tuple<at::Tensor, at::Tensor, at::Tensor> rope_qkv(const at::Tensor& qkv, const at::Tensor& cos,
-                                                        const at::Tensor& sin, int64_t hq, int64_t hkv);
-at::Tensor silu_mul(const at::Tensor& gate_up);
+#include "kernels.h"
 
 namespace {
 

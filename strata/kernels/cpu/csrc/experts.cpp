@@ -6,11 +6,9 @@
 // `moe.combine_loop` over `moe.swiglu` / `block_experts.BlockMath._swiglu`, so the bits are
 // the Python path's: experts in ascending id, each one's tokens gathered, silu(gate) * up
 // rounded in the dtype, the weighted product added into the token's row.
-#include <torch/extension.h>
-
 #include <functional>
 
-at::Tensor block_matmul(const at::Tensor& x, const at::Tensor& blocks, int64_t qtype, bool float_out);
+#include "kernels.h"
 
 namespace {
 
