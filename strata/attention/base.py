@@ -10,6 +10,7 @@ its constructor, once, not per layer. Model code never holds K/V.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Protocol
 
 import torch
@@ -39,6 +40,24 @@ class AttentionContext(Protocol):
         > p - window (Hugging Face's convention); None: all keys up to p.
         """
         ...
+
+
+@dataclass(frozen=True)
+class InPlaceCells:
+    """What one C++ call needs to do a layer's attention itself (`TableAttention.cells_in_place`): the
+    layer's plain K and V cells [cells, Hkv, D] of the pool, read and written where they are, the
+    step's write cells, each sequence's cells [S, positions], each row's sequence and position,
+    and the softmax scale. A context offers it where its own `attend` is exactly "write the new
+    K/V at write_cells, then the C++ kernel over cells", so a caller that does the same gets the
+    same bits (`models/layers.py: DecoderLayer._forward_blocks_cpu`)."""
+
+    k: torch.Tensor
+    v: torch.Tensor
+    write_cells: torch.Tensor
+    cells: torch.Tensor
+    row_seq: torch.Tensor
+    row_pos: torch.Tensor
+    scale: float
 
 
 class AttentionBackend(Protocol):

@@ -24,6 +24,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from strata.attention.base import InPlaceCells
 from strata.kernels.cpu.loader import cpu_kernel
 from strata.kv.formats import PlainFormat
 from strata.kv.pool import KvPool
@@ -150,6 +151,15 @@ class TableAttention:
             out = self.kernel.attend(q, kc.contiguous(), vc.contiguous(), local, self.row_seq,
                                      self.row_pos, self.scale, w)
         return self.fmt.finish_output(out)
+
+    def cells_in_place(self, layer: int, dtype: torch.dtype) -> InPlaceCells | None:
+        """The layer's cells for a caller that writes and attends in one C++ call (`InPlaceCells`),
+        where this context's `attend` would be exactly that: the C++ kernel over plain cells of
+        `dtype` read in place. None otherwise (the torch path, quantized or streamed cells)."""
+        if self.kernel is None or not self.in_place or not isinstance(self.fmt, PlainFormat) or self.fmt.dtype != dtype:
+            return None
+        st = self.pool.storage(layer)
+        return InPlaceCells(st["k"], st["v"], self.write_cells, self.cells, self.row_seq, self.row_pos, self.scale)
 
     def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                window: int | None = None) -> torch.Tensor:

@@ -122,7 +122,7 @@ class DecoderLayer(nn.Module):
                                  cfg.norm_topk_prob, cfg.shared_expert_ffn)
         else:
             self.mlp = MLP(cfg.hidden_size, cfg.intermediate_size)
-        self._blocks_plan: tuple[Any, ...] | None = None  # `_cpu_blocks`, found on the first call
+        self._blocks_plan: tuple[Any, ...] | None = None  # `_cpu_blocks`: made on the first call
 
     def forward(
         self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, ctx: AttentionContext,
@@ -138,48 +138,63 @@ class DecoderLayer(nn.Module):
                 return self._forward_row(g, h, cos, sin, ctx)
             if all(isinstance(m, BlockLinear) and m.takes_row(h) for m in lins):
                 return self._forward_row_blocks(h, cos, sin, ctx)
-        k = self._cpu_blocks(h)
-        if k is not None:
-            return self._forward_blocks_cpu(k, h, cos, sin, ctx)
+        block_layer = self._cpu_blocks(h)
+        if block_layer is not None:
+            return self._forward_blocks_cpu(block_layer, h, cos, sin, ctx)
         a = self.self_attn.forward(self.input_layernorm.forward(h), cos, sin, ctx)
         post = self.post_attention_layernorm
         h, x = ops.add_rms_norm(h, a, post.weight, post.eps)  # the residual add and the next norm
         return h + self.mlp.forward(x)
 
     def _cpu_blocks(self, h: torch.Tensor) -> Any:
-        """The C++ kernels when this layer runs as two C++ calls around attention on the CPU
-        (`_forward_blocks_cpu`): every projection GGUF blocks, a dense MLP, no q/k norm, the
-        norms in h's dtype; else None."""
+        """This layer's C++ `BlockLayer` (`kernels/cpu/csrc/block_layer.cpp`) when it runs as C++
+        calls on the CPU (`_forward_blocks_cpu`): every projection GGUF blocks, a dense MLP, no
+        q/k norm, the norms in h's dtype; else None. Made on the first call, again after a move
+        (`_apply`)."""
         plan = self._blocks_plan
-        if plan is None or (plan and plan[0][0][0] is not getattr(self.self_attn.qkv_proj, "blocks0", None)):  # first call, or
-            # the weights were replaced (moved, reloaded) since
-            attn, mlp = self.self_attn, self.mlp
-            lins = (attn.qkv_proj, attn.o_proj, getattr(mlp, "gate_up_proj", None), getattr(mlp, "down_proj", None))
-            ok = (isinstance(mlp, MLP) and attn.q_norm is None and all(
-                isinstance(m, BlockLinear) and m.device.type == "cpu" and not m.packed for m in lins)
-                and lins[1].bias is None and lins[2].bias is None and lins[3].bias is None)
-            plan = self._blocks_plan = (ok and self._segment_args()) or ()
+        if plan is None:
+            plan = self._blocks_plan = self._make_block_layer()
         if not plan or h.device.type != "cpu" or h.dtype != self.input_layernorm.weight.dtype:
             return None
-        return ops.cpu_kernels(h)
+        return plan[0]
 
-    def _segment_args(self) -> tuple[tuple[list[torch.Tensor], list[int]], ...]:
-        """(blocks, qtypes) of q/k/v, o, gate/up and down, as the C++ calls take them."""
-        attn, mlp = self.self_attn, self.mlp
-        lins = (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)
-        return tuple(([b for _, b in m.segments()], [int(q) for q, _ in m.segments()]) for m in lins)
+    def _apply(self, fn: Any, recurse: bool = True) -> Any:
+        """`.to()` and its kind replace the tensors a BlockLayer holds: made again on next use."""
+        self._blocks_plan = None
+        return super()._apply(fn, recurse)
 
-    def _forward_blocks_cpu(self, k: Any, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+    def _make_block_layer(self) -> tuple[Any, ...]:
+        """(the C++ BlockLayer,), or () where it does not apply."""
+        attn, mlp, pre, post = self.self_attn, self.mlp, self.input_layernorm, self.post_attention_layernorm
+        lins = (attn.qkv_proj, attn.o_proj, getattr(mlp, "gate_up_proj", None), getattr(mlp, "down_proj", None))
+        if not (isinstance(mlp, MLP) and attn.q_norm is None and all(
+                isinstance(m, BlockLinear) and m.device.type == "cpu" and not m.packed for m in lins)
+                and all(m.bias is None for m in lins[1:])):
+            return ()
+        k = ops.cpu_kernels(pre.weight)
+        if k is None:
+            return ()
+        seg = [([b for _, b in m.segments()], [int(q) for q, _ in m.segments()]) for m in lins]
+        layer = k.BlockLayer(pre.weight, pre.eps, seg[0], attn.qkv_proj.bias, attn.num_heads, attn.num_kv_heads,
+                             seg[1], post.weight, post.eps, seg[2], seg[3])
+        return (layer,)
+
+    def _forward_blocks_cpu(self, layer: Any, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                             ctx: AttentionContext) -> torch.Tensor:
-        """The layer as `block_qkv`, attention, `block_tail` (`kernels/cpu/csrc/block_layer.cpp`):
-        the same C++ functions in the same order as the modules' path, so the same bits, without
-        a dozen Python calls a layer between them."""
-        attn, pre, post = self.self_attn, self.input_layernorm, self.post_attention_layernorm
-        (qkv_b, qkv_q), (o_b, o_q), (gu_b, gu_q), (d_b, d_q) = self._blocks_plan
-        q, kk, v = k.block_qkv(h.contiguous(), pre.weight, pre.eps, qkv_b, qkv_q, attn.qkv_proj.bias, cos, sin,
-                               attn.num_heads, attn.num_kv_heads)
-        out = ctx.attend(attn.layer_index, q, kk, v, window=attn.window).reshape(h.shape[0], attn.q_size)
-        return k.block_tail(h, out.contiguous(), o_b, o_q, post.weight, post.eps, gu_b, gu_q, d_b, d_q)
+        """The layer through its C++ `BlockLayer`: the same C++ functions in the same order as the
+        modules' path, so the same bits, without a dozen Python calls a layer between them. One
+        call where the context lets attention be done in place (`InPlaceCells`), else the
+        projections, the context's `attend` and the rest."""
+        attn = self.self_attn
+        h = h.contiguous()
+        offer = getattr(ctx, "cells_in_place", None)  # an optional part of a context (attention/base.py)
+        cells = offer(attn.layer_index, h.dtype) if offer is not None else None
+        if cells is not None:
+            return layer.forward(h, cos, sin, cells.k, cells.v, cells.write_cells, cells.cells, cells.row_seq,
+                                 cells.row_pos, cells.scale, attn.window or 0)
+        q, k, v = layer.project(h, cos, sin)
+        out = ctx.attend(attn.layer_index, q, k, v, window=attn.window).reshape(h.shape[0], attn.q_size)
+        return layer.tail(h, out.contiguous())
 
     def _forward_row(self, g: Any, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                      ctx: AttentionContext) -> torch.Tensor:

@@ -31,6 +31,7 @@ from strata.models.generation_defaults import (
     from_gguf_metadata,
     read_generation_config,
 )
+from strata.models.huge_pages import move_blocks_to_huge_pages
 from strata.models.layers import DecoderModel
 from strata.models.mtp import stored_mtp_layers
 from strata.models.naming import Part, gguf_parts, hf_parts
@@ -165,6 +166,8 @@ def load_model(
     identity = source.identity()
     if mode in ("int8", "int4"):
         quantize_weights(model, mode, dt)
+    if mode == "gguf" and not experts_on_host and all(d.type == "cpu" for d in placement.layers):
+        move_blocks_to_huge_pages(model)  # streamed faster than the file's 4 KiB pages
     if mode != "dense":
         identity += f"+{mode}"  # K/V computed with other weights: session files must not mix them
     return LoadedModel(

@@ -8,6 +8,10 @@ from gguf import GGMLQuantizationType as Q
 from gguf_export import write_gguf
 from tiny_models import PROMPT, tiny_hf_model
 
+from strata.attention.reference import TableAttention
+from strata.kv.formats import make_format
+from strata.kv.pool import KvPool
+from strata.kv.step import SeqSpec
 from strata.models import load_model
 from strata.models.blocks import BlockEmbedding, BlockLinear, weight_bytes
 from strata.models.quantize import resolve_weight_mode
@@ -100,3 +104,37 @@ def test_a_layer_in_two_cpu_calls_gives_the_modules_bits(tmp_path) -> None:
         down = fused.model.layers[1].mlp.down_proj.blocks0
         down[0, 4] ^= 0x11
         assert not torch.equal(prompt_logits(fused, PROMPT), want)
+
+
+def _pool_steps(loaded, steps: list[list[tuple[int, list[int]]]]) -> list[torch.Tensor]:
+    """Logits of each step over a shared pool of two lanes: a step is [(lane, tokens)], the
+    lanes' rows in one forward, as the engine batches them."""
+    cfg, model = loaded.config, loaded.model
+    pool = KvPool(make_format("bf16", cfg.num_kv_heads, cfg.head_dim), cfg.num_layers, 2, 64, 16, None)
+    pos = [0, 0]
+    out = []
+    with torch.inference_mode():
+        for step in steps:
+            seqs = [SeqSpec(lane, pos[lane], len(toks)) for lane, toks in step]
+            ids = torch.tensor([t for _, toks in step for t in toks])
+            positions = torch.cat([torch.arange(pos[lane], pos[lane] + len(toks)) for lane, toks in step])
+            for lane, toks in step:
+                pos[lane] += len(toks)
+            ctx = TableAttention(pool, seqs, cfg.attn_scale)
+            assert ctx.cells_in_place(0, torch.bfloat16) is not None  # the one-call layer is offered
+            out.append(model.compute_logits(model(ids, positions, ctx)))
+    return out
+
+
+def test_a_layer_in_one_cpu_call_over_the_pool_gives_the_modules_bits(tmp_path) -> None:
+    """`BlockLayer.forward` (K/V written and attended in place in the pool) against the modules
+    with the context's own `attend`: prompts of two lanes, then decode rows of both together."""
+    path = _file(tmp_path)
+    fused = load_model(str(path), device="cpu", dtype="bfloat16", weights="gguf", progress=False)
+    plain = load_model(str(path), device="cpu", dtype="bfloat16", weights="gguf", progress=False)
+    _modules_path(plain)
+    steps = [[(0, PROMPT)], [(1, PROMPT[:5]), (0, [7])], [(0, [9]), (1, [11])], [(1, [12, 13, 14])]]
+    got, want = _pool_steps(fused, steps), _pool_steps(plain, steps)
+    assert all(torch.equal(a, b) for a, b in zip(got, want))
+    fused.model.layers[0].self_attn.o_proj.blocks0[3, 2] ^= 0x01  # negative control: one code (Q4_0)
+    assert not torch.equal(_pool_steps(fused, steps)[-1], want[-1])

@@ -4,8 +4,8 @@
 pieces of a decoder layer (`elementwise.cpp`, used through `models/ops.py`),
 `block_matmul` (`blocks.cpp`, bf16/fp16 x through `blocks_fixed.cpp`): x @
 W.T with W in a GGUF file's own quantized blocks, for the types in
-`BLOCK_TYPES`, `block_qkv` / `block_tail` (`block_layer.cpp`): a dense layer over
-such blocks in two calls, and `experts_dense` / `experts_blocks` (`experts.cpp`): a MoE
+`BLOCK_TYPES`, `BlockLayer` (`block_layer.cpp`): a dense layer over
+such blocks in one call, and `experts_dense` / `experts_blocks` (`experts.cpp`): a MoE
 layer's routed experts in one call.
 
 torch compiles it on first use with the machine's C++ compiler (about a

@@ -13,8 +13,14 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("block_matmul", &block_matmul, "x @ W.T with W in a GGUF file's own quantized blocks", py::arg("x"),
         py::arg("blocks"), py::arg("qtype"), py::arg("float_out") = false);
   m.def("block_types", &block_types, "the gguf.GGMLQuantizationType values block_matmul takes");
-  m.def("block_qkv", &block_qkv, "q, k (rotated), v of a layer over GGUF blocks: norm, product, bias, RoPE");
-  m.def("block_tail", &block_tail, "a layer's o product, residual, norm and SwiGLU MLP over GGUF blocks");
+  py::class_<BlockLayer>(m, "BlockLayer", "a dense decoder layer over GGUF block weights")
+      .def(py::init<at::Tensor, double, Segments, c10::optional<at::Tensor>, int64_t, int64_t, Segments, at::Tensor,
+                    double, Segments, Segments>(),
+           py::arg("pre_norm"), py::arg("pre_eps"), py::arg("qkv"), py::arg("qkv_bias"), py::arg("hq"), py::arg("hkv"),
+           py::arg("o"), py::arg("post_norm"), py::arg("post_eps"), py::arg("gate_up"), py::arg("down"))
+      .def("project", &BlockLayer::project, "q, k (rotated), v: the input norm, q/k/v product, bias, RoPE")
+      .def("tail", &BlockLayer::tail, "the o product, residual, norm, SwiGLU MLP and residual")
+      .def("forward", &BlockLayer::forward, "project, K/V written to the pool's cells, attention in place, tail");
   m.def("experts_dense", &experts_dense, "a MoE layer's routed experts, dense weights, in expert order");
   m.def("experts_blocks", &experts_blocks, "a MoE layer's routed experts, GGUF block weights, in expert order");
 }
