@@ -82,6 +82,20 @@ def test_silu_mul_close_to_torch(kernel, dtype) -> None:
     assert torch.equal(kernel.silu_mul(gu[3:4].contiguous()), got[3:4])
 
 
+def test_silu_mul_at_the_ends_of_the_exponent_range(kernel) -> None:
+    """The kernel's own exp (`exp_ieee`): large gates of either sign, the edges of its range,
+    infinities and NaN give torch's silu (NaN where torch gives NaN)."""
+    gate = torch.tensor([-1e4, -100.0, -88.5, -88.3, -87.4, -87.3, -30.0, -1e-3, 0.0, 1e-3, 30.0, 87.4, 88.5,
+                         1e4, float("inf"), float("-inf"), float("nan")])
+    gu = torch.cat([gate, torch.full_like(gate, 1.5)]).unsqueeze(0)
+    want = F.silu(gate) * 1.5
+    got = kernel.silu_mul(gu)[0]
+    torch.testing.assert_close(got, want, atol=1e-30, rtol=1e-6, equal_nan=True)
+    x = torch.linspace(-80, 80, 20001)
+    dense = kernel.silu_mul(torch.cat([x, torch.ones_like(x)]).unsqueeze(0))[0]
+    torch.testing.assert_close(dense, F.silu(x), atol=1e-30, rtol=4e-7)
+
+
 def test_shape_errors_are_clear(kernel) -> None:
     with pytest.raises(RuntimeError, match="x and weight differ"):
         kernel.rms_norm(torch.randn(2, 8), torch.randn(7), 1e-5)

