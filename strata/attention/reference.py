@@ -22,6 +22,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 
 from strata.attention.base import InPlaceCells
@@ -132,8 +133,11 @@ class TableAttention:
     def _kernel_inputs(self, pool: KvPool, seqs: list[SeqSpec], lanes: torch.Tensor) -> None:
         """Every sequence's cells [S, Lmax], and each row's sequence and position."""
         self.cells = key_cells(pool, lanes, max(s.end for s in seqs)).contiguous()
-        self.row_seq = torch.cat([torch.full((s.n,), i, dtype=torch.int64) for i, s in enumerate(seqs)])
-        self.row_pos = torch.cat([torch.arange(s.start, s.end) for s in seqs])
+        ns = np.fromiter((s.n for s in seqs), dtype=np.int64, count=len(seqs))
+        starts = np.fromiter((s.start for s in seqs), dtype=np.int64, count=len(seqs))
+        self.row_seq = torch.from_numpy(np.repeat(np.arange(len(seqs), dtype=np.int64), ns))
+        self.row_pos = torch.from_numpy(np.arange(int(ns.sum()), dtype=np.int64)
+                                        - np.repeat(np.cumsum(ns) - ns - starts, ns))
         # plain cells are read in place; other formats are dequantized first, one layer at a time
         self.in_place = pool.in_place and isinstance(pool.fmt, PlainFormat)
 

@@ -68,22 +68,27 @@ class StepCells:
 
 
 def step_cells(pool: KvPool, seqs: list[SeqSpec]) -> StepCells:
-    """The step's sequences as tensors, and the cells its new tokens go to."""
-    ns = torch.tensor([s.n for s in seqs], dtype=torch.int64)
-    starts = torch.tensor([s.start for s in seqs], dtype=torch.int64)
-    lanes = torch.tensor([s.lane for s in seqs], dtype=torch.int64)
-    rows = torch.cumsum(ns, 0) - ns
-    total = int(ns.sum()) if seqs else 0
-    token_seq = torch.repeat_interleave(torch.arange(len(seqs)), ns)
-    positions = torch.arange(total, dtype=torch.int64) - torch.repeat_interleave(rows - starts, ns)
-    write = cells_at(pool.tables, pool.chunk_size, lanes[token_seq], positions)
-    return StepCells(lanes, starts, ns, rows, write, positions, token_seq)
+    """The step's sequences as tensors, and the cells its new tokens go to.
+
+    Computed in numpy on the tables' memory (`Tensor.numpy` shares it) and handed out as torch
+    tensors over the same arrays: a step's few sequences are a dozen tiny operations, each
+    several times cheaper in numpy than in torch (about 60 us a decode step in torch).
+    """
+    ns = np.fromiter((s.n for s in seqs), dtype=np.int64, count=len(seqs))
+    starts = np.fromiter((s.start for s in seqs), dtype=np.int64, count=len(seqs))
+    lanes = np.fromiter((s.lane for s in seqs), dtype=np.int64, count=len(seqs))
+    rows = np.cumsum(ns) - ns
+    token_seq = np.repeat(np.arange(len(seqs), dtype=np.int64), ns)
+    positions = np.arange(int(ns.sum()), dtype=np.int64) - np.repeat(rows - starts, ns)
+    write = cells_at(pool.tables.numpy(), pool.chunk_size, lanes[token_seq], positions)
+    t = torch.from_numpy
+    return StepCells(t(lanes), t(starts), t(ns), t(rows), t(write), t(positions), t(token_seq))
 
 
 def key_cells(pool: KvPool, lanes: torch.Tensor, length: int) -> torch.Tensor:
     """[S, length] cells of positions [0, length) of each lane (host, int64)."""
-    pos = torch.arange(length, dtype=torch.int64)
-    return cells_at(pool.tables, pool.chunk_size, lanes[:, None], pos[None, :])
+    pos = np.arange(length, dtype=np.int64)
+    return torch.from_numpy(cells_at(pool.tables.numpy(), pool.chunk_size, lanes.numpy()[:, None], pos[None, :]))
 
 
 def sampled_rows(seqs: list[SeqSpec], sample: list[int]) -> list[int]:
