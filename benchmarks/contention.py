@@ -27,16 +27,17 @@ import subprocess
 import sys
 import time
 from contextlib import contextmanager
+from pathlib import Path
 from typing import Any, Iterator
 
 from strata.bench.main import synthetic_prompt
 from strata.bench.peers import parse_llama_bench
 from strata.bench.report import emit
+from strata.default_model import default_model_path
 from strata.engine.config import EngineConfig
 from strata.engine.engine import Engine
 from strata.engine.threads import find_cores, parse_threads
 from strata.engine.types import SamplingParams
-from strata.models import load_model
 
 BUSY_LOOP = "import os, sys\nos.sched_setaffinity(0, {int(sys.argv[1])})\nwhile True:\n    pass\n"
 
@@ -103,28 +104,30 @@ def main() -> int:
     core = args.busy_core if args.busy_core is not None else max(os.sched_getaffinity(0))
     cores = find_cores()
     loadavg_start = [round(x, 2) for x in os.getloadavg()]
-    loaded = load_model(args.model, device="cpu", dtype="bfloat16", weights="auto", progress=False)
+    path = str(default_model_path()) if args.model is None else args.model
+    name = Path(path).stem
     max_context = args.prompt_tokens + args.warmup_tokens + args.gen_tokens + 8
-    engines = {t: Engine(EngineConfig(threads=parse_threads(t), max_context=max_context), loaded=loaded)
-               for t in settings}
     runs: dict[tuple[str, str], list[dict[str, Any]]] = {}
-    try:
-        for r in range(args.repeats):
-            for kind in loads:
-                with load(kind, core):
-                    for t in settings:
-                        before = round(os.getloadavg()[0], 2)
-                        figures = strata_run(engines[t], args, salt=100 * r + 7)
-                        figures["loadavg_1min_before"] = before
-                        print(f"{kind} --threads {t}: {figures}", file=sys.stderr, flush=True)
-                        runs.setdefault((kind, t), []).append(figures)
-    finally:
-        for engine in engines.values():
-            engine.close()
+    for r in range(args.repeats):
+        for kind in loads:
+            with load(kind, core):
+                for t in settings:
+                    before = round(os.getloadavg()[0], 2)
+                    # one engine at a time, loading the model on its own thread as `strata serve`
+                    # does: OpenMP keeps a pool of workers per thread that ran a parallel region,
+                    # and with more workers than cores libgomp stops spinning (docs/PERFORMANCE.md,
+                    # "CPU threads under contention"), which would slow every setting but one
+                    config = EngineConfig(model=path, device="cpu", dtype="bfloat16", threads=parse_threads(t),
+                                          max_context=max_context)
+                    with Engine(config) as engine:
+                        figures = strata_run(engine, args, salt=100 * r + 7)
+                    figures["loadavg_1min_before"] = before
+                    print(f"{kind} --threads {t}: {figures}", file=sys.stderr, flush=True)
+                    runs.setdefault((kind, t), []).append(figures)
     table = {kind: {t: max(runs[kind, t], key=lambda f: f["decode_tokens_per_s"]) for t in settings}
              for kind in loads}
     result: dict[str, Any] = {
-        "model": loaded.name, "prompt_tokens": args.prompt_tokens, "gen_tokens": args.gen_tokens,
+        "model": name, "prompt_tokens": args.prompt_tokens, "gen_tokens": args.gen_tokens,
         "cores": {"affinity": cores.affinity, "quota": cores.quota, "threads_auto": cores.threads},
         "busy_core": core, "repeats": args.repeats, "loadavg_start": loadavg_start, "strata": table,
         "strata_all_runs": {f"{k}/{t}": v for (k, t), v in runs.items()},
@@ -143,7 +146,7 @@ def main() -> int:
             with load(kind, core):
                 for t in args.llama_threads.split(","):
                     before = round(os.getloadavg()[0], 2)
-                    peer[f"{kind}/{t}"] = llama_run(args.llama_bench, str(loaded.path), args, int(t))
+                    peer[f"{kind}/{t}"] = llama_run(args.llama_bench, path, args, int(t))
                     peer[f"{kind}/{t}"]["loadavg_1min_before"] = before
         result["llama_bench"] = peer
     result["loadavg_end"] = [round(x, 2) for x in os.getloadavg()]
