@@ -18,6 +18,13 @@ is clearly faster. It is pure (an injected clock, no torch); `CpuThreads`
 is the one place that applies a count (`torch.set_num_threads`, which also
 sets OpenMP's count for the C++ kernels' `#pragma omp parallel`).
 
+One pool of workers: OpenMP keeps one for each thread that ran a parallel
+region, and with more workers than cores libgomp stops spinning between
+regions, which doubled a decode step (docs/PERFORMANCE.md, "A quiet run on
+an AVX-512 host"). So the engine loads the model on its own thread, and a
+caller that hands it a model loaded elsewhere pays that where its own
+thread ran torch's parallel operations.
+
 A lane's output does not depend on the thread count (the CPU path is
 thread-invariant: tests/engine/test_threads.py), so a switch changes speed only.
 """
