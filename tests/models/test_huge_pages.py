@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import mmap
 from pathlib import Path
 
 import pytest
@@ -85,11 +86,13 @@ def _mapping_flags(address: int) -> dict[str, str]:
 @pytest.mark.skipif(_thp_mode() in (None, "never"), reason="transparent huge pages are off on this system")
 def test_the_region_is_advised_for_huge_pages() -> None:
     m = _Model(rows=4096)
-    plain = _mapping_flags(m.up.blocks0.data_ptr())
     move_blocks_to_huge_pages(m)
     moved = _mapping_flags(m.up.blocks0.data_ptr())
     if "THPeligible" not in moved:
         pytest.skip("this kernel's smaps has no THPeligible field")
     assert moved["THPeligible"] == "1"
-    if _thp_mode() == "madvise":  # negative control: torch's own allocation was not advised
-        assert plain.get("THPeligible") == "0"
+    if _thp_mode() == "madvise":  # negative control: a mapping of the same kind, not advised
+        area = mmap.mmap(-1, 8 << 20, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+        plain = torch.frombuffer(area, dtype=torch.uint8)
+        plain.fill_(1)
+        assert _mapping_flags(plain.data_ptr()).get("THPeligible") == "0"
