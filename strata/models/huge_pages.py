@@ -32,7 +32,7 @@ def move_blocks_to_huge_pages(model: nn.Module) -> int:
     """Copy the bytes of every CPU block module (`BlockLinear`, `BlockEmbedding`,
     `BlockExperts`) into one mapping advised MADV_HUGEPAGE; their buffers become views of it
     (a tensor two modules share, a tied head's, stays shared). Returns the bytes moved: 0 where
-    there is too little to gain or the system has no MADV_HUGEPAGE."""
+    there is too little to gain, the system has no MADV_HUGEPAGE or no room for the copy."""
     advice = getattr(mmap, "MADV_HUGEPAGE", None)
     owners: list[tuple[nn.Module, str, torch.Tensor]] = []
     for mod in model.modules():
@@ -46,8 +46,12 @@ def move_blocks_to_huge_pages(model: nn.Module) -> int:
     total = sum(sizes.values())
     if advice is None or total < MIN_BYTES:
         return 0
-    area = mmap.mmap(-1, total + HUGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
-    area.madvise(advice)
+    try:
+        area = mmap.mmap(-1, total + HUGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+        area.madvise(advice)
+    except OSError as e:  # no room for the copy: the blocks stay where they are, only slower
+        log.warning("block weights stay in 4 KiB pages: no %.0f MB mapping for huge pages (%s)", total / 1e6, e)
+        return 0
     base = torch.frombuffer(area, dtype=torch.uint8, count=1)  # only to learn the address
     start = (-base.data_ptr()) % HUGE
     # the tensor covers the aligned part only (its storage keeps `area` alive)

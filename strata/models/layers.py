@@ -154,7 +154,7 @@ class DecoderLayer(nn.Module):
         plan = self._blocks_plan
         if plan is None:
             plan = self._blocks_plan = self._make_block_layer()
-        if not plan or h.device.type != "cpu" or h.dtype != self.input_layernorm.weight.dtype:
+        if not plan or h.device.type != "cpu" or h.dtype != plan[1]:
             return None
         return plan[0]
 
@@ -164,7 +164,7 @@ class DecoderLayer(nn.Module):
         return super()._apply(fn, recurse)
 
     def _make_block_layer(self) -> tuple[Any, ...]:
-        """(the C++ BlockLayer,), or () where it does not apply."""
+        """(the C++ BlockLayer, the norms' dtype, which h must have), or () where it does not apply."""
         attn, mlp, pre, post = self.self_attn, self.mlp, self.input_layernorm, self.post_attention_layernorm
         lins = (attn.qkv_proj, attn.o_proj, getattr(mlp, "gate_up_proj", None), getattr(mlp, "down_proj", None))
         if not (isinstance(mlp, MLP) and attn.q_norm is None and all(
@@ -177,7 +177,7 @@ class DecoderLayer(nn.Module):
         seg = [([b for _, b in m.segments()], [int(q) for q, _ in m.segments()]) for m in lins]
         layer = k.BlockLayer(pre.weight, pre.eps, seg[0], attn.qkv_proj.bias, attn.num_heads, attn.num_kv_heads,
                              seg[1], post.weight, post.eps, seg[2], seg[3])
-        return (layer,)
+        return (layer, pre.weight.dtype)
 
     def _forward_blocks_cpu(self, layer: Any, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                             ctx: AttentionContext) -> torch.Tensor:

@@ -26,10 +26,10 @@
 // own x row: not on M, the other rows or the thread count.
 //
 // Speed (AVX-512, one to eight x rows): a block's work is bound by the vector ports, not by
-// memory. Q4_0 / Q4_1 / Q8_0 codes go from the block to registers directly, and the blocks'
-// fp16 scales and mins are gathered and converted 16 blocks at a time (`block_heads`), with
-// s * d_j as one vector product over them; one at a time, the two scalar conversions were a
-// third of a Q4_1 block's instructions.
+// memory. Q4_0 / Q4_1 / Q8_0 codes go from the block to registers directly (`fly_direct`),
+// and the blocks' fp16 scales and mins are gathered and converted 16 blocks at a time
+// (`block_heads`), with s * d_j as one pass of products over them; one at a time, the two
+// scalar conversions were a third of a Q4_1 block's instructions.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 
@@ -254,25 +254,44 @@ struct Direct<Q8_0> {
 };
 #endif
 
-#if defined(STRATA_FIXED_512)
 constexpr int HEAD = 16;  // blocks whose fp16 scale (and min) are converted together
 
 // The fp16 scale (bytes 0-1) and min (bytes 2-3) of n <= 16 consecutive blocks of `bytes` each,
-// as float32: one gather of their first four bytes and two vector conversions, where one
-// block at a time costs two conversions of a scalar each (the step's most frequent operation).
+// as float32. With AVX-512: one gather of their first four bytes and two vector conversions,
+// where one block at a time cost two conversions of a scalar each (a third of a Q4_1 block's
+// instructions); elsewhere a block at a time. The values are exact either way.
 inline void block_heads(const uint8_t* w, int bytes, int n, float* s, float* m) {
+#if defined(STRATA_FIXED_512)
   const __m512i at = _mm512_mullo_epi32(_mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
                                         _mm512_set1_epi32(bytes));
   const __mmask16 k = static_cast<__mmask16>((1u << n) - 1);
   const __m512i g = _mm512_mask_i32gather_epi32(_mm512_setzero_si512(), k, at, w, 1);
   _mm512_storeu_ps(s, _mm512_cvtph_ps(_mm512_cvtepi32_epi16(g)));
   if (m != nullptr) _mm512_storeu_ps(m, _mm512_cvtph_ps(_mm512_cvtepi32_epi16(_mm512_srli_epi32(g, 16))));
+#else
+  for (int k = 0; k < n; ++k) {
+    s[k] = f16(w + k * bytes);
+    if (m != nullptr) m[k] = f16(w + k * bytes + 2);
+  }
+#endif
 }
 
-// fly()'s Direct operations with the blocks' scales and mins converted HEAD at a time, and
-// s * d_j as a vector product over them: the same products, sums and order, so the same bits.
+// sd[k] = s[k] * d[k] for k < n <= 16 (one masked vector product with AVX-512)
+inline void scale_steps(const float* s, const float* d, int n, float* sd) {
+#if defined(STRATA_FIXED_512)
+  const __mmask16 k = static_cast<__mmask16>((1u << n) - 1);
+  _mm512_storeu_ps(sd, _mm512_mul_ps(_mm512_loadu_ps(s), _mm512_maskz_loadu_ps(k, d)));
+#else
+  for (int k = 0; k < n; ++k) sd[k] = s[k] * d[k];
+#endif
+}
+
+// MR x rows against NR weight rows of a type whose codes load straight from the block
+// (Direct): per 16 blocks their scales and mins converted together and s * d_j as one pass of
+// products, then per block fma(s * d_j, pair sums, acc) and the min chain (the arithmetic at
+// the top of this file).
 template <class T, int MR, int NR>
-void fly_heads(const uint8_t* w, int64_t rb, const Fixed& fx, int64_t nb, float* y, int64_t N) {
+void fly_direct(const uint8_t* w, int64_t rb, const Fixed& fx, int64_t nb, float* y, int64_t N) {
   constexpr int LINES = (NR * T::BYTES + 63) / 64;
   alignas(64) float s[NR][HEAD], m[NR][HEAD], sd[MR][NR][HEAD];
   F acc[MR][NR];
@@ -283,11 +302,8 @@ void fly_heads(const uint8_t* w, int64_t rb, const Fixed& fx, int64_t nb, float*
   for (int64_t b0 = 0; b0 < nb; b0 += HEAD) {
     const int n = static_cast<int>(std::min<int64_t>(HEAD, nb - b0));
     for (int r = 0; r < NR; ++r) block_heads(w + r * rb + b0 * T::BYTES, T::BYTES, n, s[r], T::MIN ? m[r] : nullptr);
-    for (int i = 0; i < MR; ++i) {
-      const __mmask16 k = static_cast<__mmask16>((1u << n) - 1);
-      const __m512 d = _mm512_maskz_loadu_ps(k, fx.row_d(i) + b0);
-      for (int r = 0; r < NR; ++r) _mm512_storeu_ps(sd[i][r], _mm512_mul_ps(_mm512_loadu_ps(s[r]), d));
-    }
+    for (int i = 0; i < MR; ++i)
+      for (int r = 0; r < NR; ++r) scale_steps(s[r], fx.row_d(i) + b0, n, sd[i][r]);
     for (int jb = 0; jb < n; ++jb) {
       const int64_t b = b0 + jb;
       for (int l = 0; l < LINES; ++l) prefetch(next + (b * LINES + l) * 64);
@@ -304,7 +320,6 @@ void fly_heads(const uint8_t* w, int64_t rb, const Fixed& fx, int64_t nb, float*
   for (int i = 0; i < MR; ++i)
     for (int r = 0; r < NR; ++r) y[i * N + r] = T::MIN ? fsum(acc[i][r]) + mn[i][r] : fsum(acc[i][r]);
 }
-#endif
 
 // the scale lanes of x block jj of a weight block whose groups hold G values (s: its scales)
 template <class T>
@@ -319,9 +334,7 @@ inline F scales(const float* s, int jj) {
 // once, prefetching the next NR weight rows as it goes. y [MR rows of stride N][NR].
 template <class T, int MR, int NR>
 void fly(const uint8_t* w, int64_t rb, const Fixed& fx, int64_t nb, float* y, int64_t N) {
-#if defined(STRATA_FIXED_512)
-  if constexpr (Direct<T>::on) return fly_heads<T, MR, NR>(w, rb, fx, nb, y, N);
-#endif
+  if constexpr (Direct<T>::on) return fly_direct<T, MR, NR>(w, rb, fx, nb, y, N);
   constexpr int NG = T::QK / T::G, NJ = T::QK / 32, LINES = (NR * T::BYTES + 63) / 64;
   alignas(64) int8_t cbuf[NR][T::QK];
   float s[NR][NG], m[NR][NG];
@@ -332,25 +345,6 @@ void fly(const uint8_t* w, int64_t rb, const Fixed& fx, int64_t nb, float* y, in
   const char* next = reinterpret_cast<const char*>(w + NR * rb);
   for (int64_t b = 0; b < nb; ++b) {
     for (int l = 0; l < LINES; ++l) prefetch(next + (b * LINES + l) * 64);
-    if constexpr (Direct<T>::on) {  // one 32-value block a row, scale and min as fp16 fields
-      I c[NR];
-      F sv[NR];
-      float mins[NR];
-      for (int r = 0; r < NR; ++r) {
-        const uint8_t* blk = w + r * rb + b * T::BYTES;
-        c[r] = Direct<T>::codes(blk);
-        sv[r] = fset(f16(blk));
-        if constexpr (T::MIN) mins[r] = f16(blk + 2);
-      }
-      for (int i = 0; i < MR; ++i) {
-        const I xv = iload(fx.row_q(i) + 32 * b);
-        const F d = fset(fx.row_d(i)[b]);
-        for (int r = 0; r < NR; ++r) acc[i][r] = ffma(fmul(sv[r], d), pairs(c[r], xv), acc[i][r]);
-        if constexpr (T::MIN)
-          for (int r = 0; r < NR; ++r) mn[i][r] = std::fma(mins[r], fx.row_xs(i)[b], mn[i][r]);
-      }
-      continue;
-    }
     const int8_t* q[NR];
     for (int r = 0; r < NR; ++r) q[r] = T::block(w + r * rb + b * T::BYTES, cbuf[r], s[r], m[r]);
     for (int jj = 0; jj < NJ; ++jj) {
