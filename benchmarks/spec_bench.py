@@ -22,7 +22,10 @@ included: at 16 lanes the throughput of all of them) and `lane_decode_tokens_per
 each request's first over the time after it: at one lane the decode rate), both also as ratios to
 spec off on the same workload and lane count (`speedup`, `decode_speedup`); the acceptance rate
 and mean accepted length from `Engine.stats()["speculation"]`; and `identical`: whether every
-answer equals spec off's token for token (the exactness claim). llama-server (`--llama-server`)
+answer equals spec off's token for token (the exactness claim). On CUDA spec off runs twice: with
+the engine's default products (the speed reference) and with batch-invariant ones (the answer:
+drafted runs use those products, `--batch-invariant auto`), after one untimed request that
+compiles the kernels (`--no-warmup` skips it). llama-server (`--llama-server`)
 gets the same conversations as token ids through /completion, greedy, the same thread count, with
 each `--llama-spec` type against its own run without; its figures come from its `timings`.
 
@@ -154,6 +157,8 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--position", type=int, default=512, help="--verify-cost: the context of the timed steps")
     p.add_argument("--verify-drafts", type=count_list, default=None,
                    help="--verify-cost: the draft counts k of the timed steps (default 1..8; 0 always)")
+    p.add_argument("--no-warmup", dest="warmup", action="store_false",
+                   help="on CUDA, skip the untimed first request that compiles the kernels")
     p.add_argument("--reps", type=int, default=10, help="--verify-cost: forwards timed per figure")
     p.add_argument("--quick", action="store_true", help="a smoke run: " + ", ".join(
         f"{k.replace('_', '-')} {v}" for k, v in QUICK.items()) + " (flags given still win)")
@@ -191,6 +196,7 @@ class Run:
     spec: str
     drafts: int
     proposers: str = ""  # "" when off; else suffix, draft_model or suffix+draft_model
+    batch_invariant: str = "auto"  # the engine's --batch-invariant (auto: on with drafts)
 
 
 def load(args: argparse.Namespace) -> Models:
@@ -214,28 +220,35 @@ def load(args: argparse.Namespace) -> Models:
     return Models(loaded, path, draft)
 
 
-def engine_config(args: argparse.Namespace, lanes: int, drafts: int, suffix: bool = True) -> EngineConfig:
+def engine_config(args: argparse.Namespace, lanes: int, drafts: int, suffix: bool = True,
+                  batch_invariant: str = "auto") -> EngineConfig:
     return EngineConfig(device=args.device, parallel=lanes, max_context=args.max_context,
                         threads=args.threads, max_queued=4 * lanes, spec=drafts,
-                        spec_min_p=args.spec_min_p, suffix_draft=suffix)
+                        spec_min_p=args.spec_min_p, suffix_draft=suffix, batch_invariant=batch_invariant)
 
 
 def open_engine(models: Models, args: argparse.Namespace, lanes: int, run: Run) -> Engine:
-    cfg = engine_config(args, lanes, run.drafts, suffix="suffix" in run.proposers)
+    cfg = engine_config(args, lanes, run.drafts, suffix="suffix" in run.proposers,
+                        batch_invariant=run.batch_invariant)
     draft = models.draft if "draft_model" in run.proposers else None
     return Engine(cfg, loaded=models.loaded, spec_model=draft)
 
 
-def runs_of(specs: list[Spec], proposers: list[str]) -> tuple[list[Run], dict[str, str]]:
+def runs_of(specs: list[Spec], proposers: list[str], exact_off: bool = False) -> tuple[list[Run], dict[str, str]]:
     """Off first, then each distinct draft count with each proposer set; the spellings that
-    repeat another's count (auto = 4 today) are named instead of run again."""
+    repeat another's count (auto = 8 today) are named instead of run again.
+
+    `exact_off` (CUDA): a second off run with batch-invariant products, the answer drafts must
+    keep (with drafts the engine's products are invariant; without, the faster one-row kernels
+    and cuBLAS round differently); the first off run stays the speed reference."""
     counts: dict[int, str] = {0: "off"}
     same: dict[str, str] = {}
     for label, n in specs:
         if n in counts and counts[n] != label:
             same[label] = counts[n]
         counts.setdefault(n, label)
-    runs = [Run("off", 0)] + [Run(label, n, p) for n, label in counts.items() if n for p in proposers]
+    runs = [Run("off", 0)] + ([Run("off", 0, batch_invariant="on")] if exact_off else [])
+    runs += [Run(label, n, p) for n, label in counts.items() if n for p in proposers]
     return runs, same
 
 
@@ -249,22 +262,31 @@ def workload_runs(models: Models, args: argparse.Namespace, name: str, convs: li
                   specs: list[Spec], temperature: float) -> list[dict[str, Any]]:
     """One workload at one lane count under each configuration (off first): figures, ratios and
     whether every answer equals off's."""
-    runs, same = runs_of(specs, args.proposers)
+    cuda = str(args.device).startswith("cuda")
+    runs, same = runs_of(specs, args.proposers, exact_off=cuda)
     rows: list[dict[str, Any]] = []
     ref: dict[str, Any] = {}
+    answers: dict[str, Any] = {}  # batch_invariant -> the off run's outputs: what drafts must keep
+    if cuda and args.warmup:  # Triton compiles each kernel variant at its first use in the process
+        with open_engine(models, args, lanes, runs[0]) as engine:
+            replay(convs[:1], 1, engine_sender(engine, 16, temperature), engine.tokenizer)
     for run in runs:
         with open_engine(models, args, lanes, run) as engine:
             records, wall = replay(convs, lanes, engine_sender(engine, args.max_tokens, temperature),
                                    engine.tokenizer)
             stats = engine.stats()
+            invariant = engine.batch_invariant
         row = {"workload": name, "temperature": temperature, "lanes": lanes, **dataclasses.asdict(run),
-               **summarise(records, wall), "steps": stats["steps"], "speculation": stats["speculation"]}
+               "invariant_products": invariant, **summarise(records, wall), "steps": stats["steps"],
+               "speculation": stats["speculation"]}
         got = outputs(records)
         if not ref:
             ref = row
+        if run.drafts == 0:
+            answers.setdefault(str(invariant), got)
             row["outputs"] = got
         else:
-            check = compare(got, ref["outputs"])
+            check = compare(got, answers.get(str(invariant), ref["outputs"]))
             row.update(identical=check["identical"], first_difference=check["first_difference"])
         rows.append(_with_ratios(row, ref))
         print(json.dumps({k: v for k, v in row.items() if k != "outputs"}), file=sys.stderr, flush=True)
@@ -290,11 +312,12 @@ def strata_runs(models: Models, args: argparse.Namespace) -> list[dict[str, Any]
         lanes = args.lanes[0]
         agent = agent_conversations(max(args.conversations, lanes), count, args.file_tokens)
         rows += workload_runs(models, args, "agent", agent, lanes, args.sampled_specs, SAMPLED_TEMPERATURE)
-    first = {r["workload"]: r["outputs"] for r in rows
+    key = lambda r: (r["workload"], r["invariant_products"])  # noqa: E731
+    first = {key(r): r["outputs"] for r in rows
              if "outputs" in r and r["lanes"] == args.lanes[0] and r["temperature"] == 0.0}
     for r in rows:  # spec off among more lanes against spec off at the first count: does company matter?
-        if "outputs" in r and r["lanes"] != args.lanes[0] and r["temperature"] == 0.0:
-            r["identical_to_first_lane_count"] = compare(r["outputs"], first[r["workload"]])["identical"]
+        if "outputs" in r and r["lanes"] != args.lanes[0] and r["temperature"] == 0.0 and key(r) in first:
+            r["identical_to_first_lane_count"] = compare(r["outputs"], first[key(r)])["identical"]
     return rows
 
 

@@ -22,7 +22,7 @@ from strata.kernels.triton.prefill import PrefillBatch, prefill_attention, query
 from strata.kernels.triton.write import write_plain, write_quantized
 from strata.kv.formats import K8V4Format, PlainFormat
 from strata.kv.pool import KvPool
-from strata.kv.step import SeqSpec, StepCells, step_cells
+from strata.kv.step import SeqSpec, StepCells, decode_rows, step_cells
 
 # Per pool, per layer: the (K, V) kernel views of its storage, made once.
 _HALVES: weakref.WeakKeyDictionary[KvPool, list[tuple[Half, Half]]] = weakref.WeakKeyDictionary()
@@ -45,8 +45,9 @@ def batch_parts(cells: StepCells, keys: torch.Tensor) -> list[torch.Tensor]:
     dec = cells.decode
     pre = ~dec
     blk_seq, blk_m0 = query_blocks(cells.ns[pre].tolist())
+    q_rows, sessions, lengths = decode_rows(cells.rows[dec], keys[dec], cells.starts[dec], cells.ns[dec])
     return [
-        cells.rows[dec], keys[dec], cells.starts[dec] + 1,
+        q_rows, sessions, lengths,
         torch.tensor(blk_seq, dtype=torch.int64), torch.tensor(blk_m0, dtype=torch.int64),
         keys[pre], cells.starts[pre], cells.ns[pre], cells.rows[pre],
     ]
@@ -55,7 +56,7 @@ def batch_parts(cells: StepCells, keys: torch.Tensor) -> list[torch.Tensor]:
 def batches(cells: StepCells, views: list[torch.Tensor]) -> tuple[DecodeBatch, PrefillBatch]:
     """The kernels' batches over the device views of `batch_parts`, in its order."""
     dec = cells.decode
-    longest = int(cells.starts[dec].max()) + 1 if bool(dec.any()) else 0
+    longest = int(cells.ends[dec].max()) if bool(dec.any()) else 0
     return DecodeBatch(views[0], views[1], views[2], longest), PrefillBatch(*views[3:9])
 
 

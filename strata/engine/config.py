@@ -46,9 +46,9 @@ class EngineConfig:
     prefix_reuse: bool = True  # reuse cached conversations' K/V (off: every prompt read from 0)
     pipeline: str = "auto"  # launch the next greedy decode step before post-processing this one:
     # auto (with CUDA-graph decode) | on | off
-    batch_invariant: str = "off"  # CUDA products whose rows do not depend on the batch: on | off |
-    # auto (on where a lane can have company: --parallel above 1 or --spec); off until its cost
-    # is measured on the GPU (docs/GPU.md)
+    batch_invariant: str = "auto"  # CUDA products whose rows do not depend on the batch: on | off |
+    # auto (on with --spec, whose drafted rows must round as the same tokens decoded alone; company
+    # invariance among lanes costs 9-25% on the GPU, so it is asked for with `on`: docs/GPU.md)
     gpus: str | None = None  # layer split in this process over these devices: "0,1", "cpu,cpu"
     split: str | None = None  # layers per --gpus stage ("16,16"); None = by free memory
     remote_stage: str | None = None  # HOST:PORT of a worker (`strata stage`) running the later layers
@@ -77,11 +77,12 @@ CHUNKS_PER_LANE = 4
 
 
 def batch_invariant_on(config: EngineConfig) -> bool:
-    """--batch-invariant: auto is on where a lane can have company in a step (several lanes, or
-    its own drafts beside it); with one lane and no drafts every step has one row per lane anyway,
-    and the one-row kernels are the faster path."""
+    """--batch-invariant: auto is on with --spec, where a lane's own drafts share its steps and
+    speculation promises the answer of the same tokens decoded one at a time. Among lanes it is
+    a choice (`on`): measured on the GPU it costs a lone row its one-row kernels (about 18% of a
+    one-lane step) and prompt reading a quarter of its speed (docs/GPU.md)."""
     if config.batch_invariant == "auto":
-        return config.parallel > 1 or config.spec > 0
+        return config.spec > 0
     return config.batch_invariant == "on"
 
 
@@ -279,8 +280,9 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
                         "the host's work overlaps the device's (auto: with CUDA-graph decode)")
     g.add_argument("--batch-invariant", default=d.batch_invariant, choices=["auto", "on", "off"],
                    help="on CUDA, compute every product so that a lane's output does not depend on "
-                        "the other lanes in its step (docs/GPU.md, 'Exactness on the GPU'); auto: on "
-                        "where a lane can have company (--parallel above 1, or --spec); default off")
+                        "the other rows in its step (docs/GPU.md, 'Exactness on the GPU'); auto (the "
+                        "default): on with --spec, so drafts never change the answer; on: also among "
+                        "lanes, at a measured cost")
     t = parser.add_argument_group("chat template")
     t.add_argument("--chat-template", type=chat_template_arg, default=d.chat_template, metavar="FILE",
                    help="render chats with this Jinja template file (or inline template text, as "

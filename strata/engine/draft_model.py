@@ -94,7 +94,8 @@ class DraftModelProposer:
         while pos < len(ctx):
             n = min(READ_CHUNK, len(ctx) - pos)
             last = pos + n == len(ctx)
-            logits = self.runner.forward([SeqSpec(lane, pos, n)], ctx[pos : pos + n], [int(last)])
+            seq = SeqSpec(lane, pos, n, prompt=n > 1)  # a long catch-up as prompt rows; drafts need no exact bits
+            logits = self.runner.forward([seq], ctx[pos : pos + n], [int(last)])
             fed += ctx[pos : pos + n]
             pos += n
         drafts: list[int] = []

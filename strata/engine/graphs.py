@@ -28,7 +28,7 @@ import numpy as np
 import torch
 
 from strata.kv.pool import KvPool
-from strata.kv.step import SeqSpec, cells_at
+from strata.kv.step import SeqSpec, cells_at, decode_step
 
 if TYPE_CHECKING:  # the kernels need Triton; staging (host work) does not
     from strata.attention.triton_pool import GpuTableAttention
@@ -75,7 +75,7 @@ class DecodeGraphs:
 
     def supports(self, seqs: list[SeqSpec], sample: list[int]) -> bool:
         """A pure decode step whose every lane is sampled (what the graph computes)."""
-        return bool(seqs) and len(seqs) <= self.sizes[-1] and all(s.n == 1 for s in seqs) and all(sample)
+        return decode_step(seqs) and len(seqs) <= self.sizes[-1] and all(sample)
 
     @staticmethod
     def rows_of(seqs: list[SeqSpec], sample: list[int]) -> list[SeqSpec] | None:
@@ -83,7 +83,7 @@ class DecodeGraphs:
         sampled in full. Row j of a lane's run attends over the cells rows 0..j-1 wrote in the same
         layer (every write of a layer precedes its attention), so the decode graph computes a
         drafted run as it computes the same tokens decoded one step at a time."""
-        if any(int(w) != s.n for s, w in zip(seqs, sample)):
+        if any(int(w) != s.n or s.prompt for s, w in zip(seqs, sample)):
             return None
         return [SeqSpec(s.lane, s.start + j, 1) for s in seqs for j in range(s.n)]
 

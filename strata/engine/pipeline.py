@@ -43,7 +43,7 @@ class Launched:
     def take_greedy_ids(self) -> None:
         """For a step of plain greedy decode rows: argmax on the device, copy started to the host."""
         step = self.step
-        if not (all(step.sample) and all(s.n == 1 for s in step.seqs) and all(map(plain_greedy, self.reqs))):
+        if not (all(step.sample) and all(s.decoding for s in step.seqs) and all(map(plain_greedy, self.reqs))):
             return
         self.ids = self.logits.argmax(dim=-1)  # what `sample` does for such rows
         self.host = self.ids.to("cpu", non_blocking=True)

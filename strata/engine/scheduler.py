@@ -304,7 +304,7 @@ class Scheduler:
             if self.pool.backed(lane.index) < pos + n and not self.pool.reserve(lane.index, pos + n):
                 lane.drafts = lane.drafts[: self.pool.backed(lane.index) - pos - 1]
                 n = 1 + len(lane.drafts)
-            seqs.append(SeqSpec(lane.index, pos, n))
+            seqs.append(SeqSpec(lane.index, pos, n, drafted=n > 1))
             lanes.append(lane)
             tokens.append(lane.pending)
             tokens.extend(lane.drafts)
@@ -321,7 +321,7 @@ class Scheduler:
             cut = next((c for c in req.cuts if c > req.cursor), None)
             if cut is not None:  # the read stops there to checkpoint the state
                 n = min(n, cut - req.cursor)
-            seqs.append(SeqSpec(lane.index, req.cursor, n))
+            seqs.append(SeqSpec(lane.index, req.cursor, n, prompt=True))
             lanes.append(lane)
             tokens.extend(req.prompt[req.cursor : req.cursor + n])
             sample.append(req.cursor + n == len(req.prompt))

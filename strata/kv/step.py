@@ -28,10 +28,25 @@ class SeqSpec:
     lane: int
     start: int  # position of the first new token
     n: int  # new tokens
+    prompt: bool = False  # a piece of a prompt: read as prompt rows even when one token long, so
+    # a prompt token's attention does not depend on where the step cut the prompt (or on a reused
+    # prefix leaving only its last token to read)
+    drafted: bool = False  # a decoding lane's token and its drafts: every token a decode row, as
+    # each would be decoded alone (a verified run rounds as the tokens decoded one at a time)
 
     @property
     def end(self) -> int:
         return self.start + self.n
+
+    @property
+    def decoding(self) -> bool:
+        """One new token that the lane generated (or drafted): a decode row."""
+        return self.n == 1 and not self.prompt
+
+
+def decode_step(seqs: list[SeqSpec]) -> bool:
+    """Every sequence a decode row (what the decode graphs and a stage's decode path compute)."""
+    return bool(seqs) and all(s.decoding for s in seqs)
 
 
 def cells_at(tables: Index, chunk: int, lanes: Index, positions: Index) -> Index:
@@ -56,6 +71,8 @@ class StepCells:
     write: torch.Tensor  # [T] cell of every new token, in row order
     positions: torch.Tensor  # [T] position of every new token, in row order
     token_seq: torch.Tensor  # [T] the sequence each new token belongs to
+    prompt: torch.Tensor  # [S] bool: prompt pieces (`SeqSpec.prompt`)
+    drafted: torch.Tensor  # [S] bool: drafted runs (`SeqSpec.drafted`)
 
     @property
     def ends(self) -> torch.Tensor:
@@ -63,8 +80,9 @@ class StepCells:
 
     @property
     def decode(self) -> torch.Tensor:
-        """[S] bool: sequences of one new token (decoding lanes)."""
-        return self.ns == 1
+        """[S] bool: sequences read as decode rows, one query a token (one new token that is not
+        a prompt piece, or a drafted run); the others are read as prompt rows."""
+        return ((self.ns == 1) & ~self.prompt) | self.drafted
 
 
 def step_cells(pool: KvPool, seqs: list[SeqSpec]) -> StepCells:
@@ -81,8 +99,23 @@ def step_cells(pool: KvPool, seqs: list[SeqSpec]) -> StepCells:
     token_seq = np.repeat(np.arange(len(seqs), dtype=np.int64), ns)
     positions = np.arange(int(ns.sum()), dtype=np.int64) - np.repeat(rows - starts, ns)
     write = cells_at(pool.tables.numpy(), pool.chunk_size, lanes[token_seq], positions)
+    prompt = np.fromiter((s.prompt for s in seqs), dtype=np.bool_, count=len(seqs))
+    drafted = np.fromiter((s.drafted for s in seqs), dtype=np.bool_, count=len(seqs))
     t = torch.from_numpy
-    return StepCells(t(lanes), t(starts), t(ns), t(rows), t(write), t(positions), t(token_seq))
+    return StepCells(t(lanes), t(starts), t(ns), t(rows), t(write), t(positions), t(token_seq), t(prompt),
+                     t(drafted))
+
+
+def decode_rows(rows: torch.Tensor, keys: torch.Tensor, starts: torch.Tensor,
+                ns: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """One decode query per token of the decode sequences (a drafted run's n tokens are n
+    queries, each over the cells up to its own position, as the decode graphs read them):
+    their rows, table keys and lengths."""
+    if bool((ns == 1).all()):
+        return rows, keys, starts + 1
+    within = torch.arange(int(ns.sum())) - torch.repeat_interleave(torch.cumsum(ns, 0) - ns, ns)
+    return (torch.repeat_interleave(rows, ns) + within, torch.repeat_interleave(keys, ns),
+            torch.repeat_interleave(starts, ns) + within + 1)
 
 
 def key_cells(pool: KvPool, lanes: torch.Tensor, length: int) -> torch.Tensor:

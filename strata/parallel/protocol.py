@@ -20,7 +20,7 @@ from strata.kv.tables import ChunkTables
 from strata.parallel.link import Link
 from strata.parallel.messages import message
 
-PROTOCOL = 2
+PROTOCOL = 3  # 3: a step says which sequences are prompt pieces and which drafted runs
 
 
 @message("hello")
@@ -63,6 +63,8 @@ class Step:
     starts: list
     ns: list
     rows: list
+    prompt: list  # per sequence: a prompt piece (`SeqSpec.prompt`: prompt rows even when one long)
+    drafted: list  # per sequence: a drafted run (`SeqSpec.drafted`: every token a decode row)
 
 
 @message("export")

@@ -22,7 +22,7 @@ import torch
 
 from strata.errors import BadRequest, StageUnavailable, StrataError
 from strata.kv.formats import KvFormat, Storage
-from strata.kv.step import SeqSpec
+from strata.kv.step import SeqSpec, decode_step
 from strata.kv.tables import ChunkTables
 from strata.parallel.handshake import StageLinkError
 from strata.parallel.link import Link, StageLinkTimeout, connect
@@ -165,7 +165,8 @@ class RemoteStage:
         t0 = time.perf_counter()
         try:
             link.send(Step([s.lane for s in seqs], [s.start for s in seqs], [s.n for s in seqs],
-                           table_rows(self.chunks, self.changed)))
+                           table_rows(self.chunks, self.changed), [s.prompt for s in seqs],
+                           [s.drafted for s in seqs]))
             link.send_tensor(h.to(link.tensor_device))
             done = self._done(link)
             out = link.recv_tensor(h.shape, h.dtype)
@@ -175,7 +176,7 @@ class RemoteStage:
         self.steps += 1
         self.step_seconds += wall
         self.worker_seconds += done.seconds
-        if all(s.n == 1 for s in seqs):  # the link's cost per decode step, apart from prompt reads
+        if decode_step(seqs):  # the link's cost per decode step, apart from prompt reads
             self.decode_steps += 1
             self.decode_link_seconds += wall - done.seconds
         return out

@@ -28,7 +28,7 @@ import torch
 
 from strata.errors import StrataError
 from strata.kv.formats import Storage, make_format
-from strata.kv.step import SeqSpec, step_positions
+from strata.kv.step import SeqSpec, decode_step, step_positions
 from strata.kv.tables import ChunkTables
 from strata.memory import available_ram
 from strata.models.loader import LoadedModel, Placement, load_model, resolve_device, resolve_dtype
@@ -297,9 +297,11 @@ class StageWorker:
             except (ValueError, TypeError) as e:
                 raise StageLinkError(f"a bad table row: {e}") from None
         if isinstance(msg, Step):
-            if not (len(msg.lanes) == len(msg.starts) == len(msg.ns)) or not msg.ns:
+            if not (len(msg.lanes) == len(msg.starts) == len(msg.ns) == len(msg.prompt) == len(msg.drafted)) \
+                    or not msg.ns:
                 raise StageLinkError("a step with mismatched sequences")
-            seqs = [SeqSpec(int(a), int(b), int(c)) for a, b, c in zip(msg.lanes, msg.starts, msg.ns)]
+            seqs = [SeqSpec(int(a), int(b), int(c), bool(d), bool(e))
+                    for a, b, c, d, e in zip(msg.lanes, msg.starts, msg.ns, msg.prompt, msg.drafted)]
             h = link.recv_tensor((sum(s.n for s in seqs), s.hidden), s.dtype)
             try:
                 out = self._step(s, h, seqs)
@@ -379,7 +381,7 @@ class StageWorker:
     @torch.inference_mode()
     def _step(self, s: _Serving, h: torch.Tensor, seqs: list[SeqSpec]) -> torch.Tensor:
         positions = step_positions(seqs)
-        if all(q.n == 1 for q in seqs):  # a decode step: through the stage's graphs where it has them
+        if decode_step(seqs):  # a decode step: through the stage's graphs where it has them
             out = s.stage.decode(seqs, [0] * len(seqs), h)
         else:
             out = s.stage.run(h, positions, seqs)

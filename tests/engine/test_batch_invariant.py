@@ -17,11 +17,11 @@ from strata.models.dense import Linear
 
 
 @pytest.mark.parametrize(("flag", "parallel", "spec", "on"), [
-    ("auto", 1, 0, False), ("auto", 2, 0, True), ("auto", 1, 4, True),
+    ("auto", 1, 0, False), ("auto", 64, 0, False), ("auto", 1, 4, True), ("auto", 16, 2, True),
     ("on", 1, 0, True), ("off", 64, 4, False),
 ])
 def test_when_it_is_on(flag: str, parallel: int, spec: int, on: bool) -> None:
-    """auto: on wherever a lane can share a step with other rows (lanes, or its own drafts)."""
+    """auto: on wherever a lane's own drafts share its steps; company among lanes is `on`."""
     cfg = EngineConfig(batch_invariant=flag, parallel=parallel, spec=spec)
     assert batch_invariant_on(cfg) is on
 
@@ -30,7 +30,7 @@ def test_flag_is_parsed_and_checked() -> None:
     p = argparse.ArgumentParser()
     add_engine_arguments(p)
     assert config_from_args(p.parse_args(["--batch-invariant", "on"])).batch_invariant == "on"
-    assert config_from_args(p.parse_args([])).batch_invariant == "off"
+    assert config_from_args(p.parse_args([])).batch_invariant == "auto"
     with pytest.raises(SystemExit):
         p.parse_args(["--batch-invariant", "maybe"])
 

@@ -258,3 +258,57 @@ def test_decode_rows_do_not_depend_on_their_company(fmt: str) -> None:
     k = torch.randn(1, HKV, D, generator=gen, device=DEV).to(torch.bfloat16)
     pool.write(0, pool.cells_of_range(0, 7, 8), k, k)
     assert not torch.equal(attend([0])[0], before)
+
+
+@pytest.mark.parametrize("fmt", ["bf16", "int8", "k8v4"])
+def test_prompt_rows_do_not_depend_on_where_the_prompt_was_cut(fmt: str) -> None:
+    """A prompt read whole, or in pieces down to a last piece of one token (a reused prefix, a
+    token budget), gives every row the same bits: prompt pieces are read by the prompt kernel,
+    which walks each query's keys in absolute tiles. The negative control: the last token read
+    as a decode row (another summation order) does not give the same bits."""
+    n = 300 if not INTERPRET else 130
+    pool = KvPool(make_format(fmt, HKV, D), 1, 1, n + 64, CHUNK, None, DEV)
+    assert pool.reserve(0, n)
+    gen = torch.Generator(device=DEV).manual_seed(5)
+    q, k, v = (torch.randn(n, h, D, generator=gen, device=DEV).to(torch.bfloat16) for h in (HQ, HKV, HKV))
+
+    def read(cuts: list[int], last_prompt: bool = True) -> torch.Tensor:
+        outs, start = [], 0
+        for end in cuts:
+            seq = SeqSpec(0, start, end - start, prompt=last_prompt or end < n)
+            ctx = GpuTableAttention(pool, [seq], D**-0.5)
+            outs.append(ctx.attend(0, q[start:end], k[start:end], v[start:end]).clone())
+            start = end
+        return torch.cat(outs)
+
+    whole = read([n])
+    for cuts in ([n - 1, n], [n // 3, 2 * n // 3 + 1, n - 1, n], [64, n]):
+        assert torch.equal(read(cuts), whole), cuts
+    assert not torch.equal(read([n - 1, n], last_prompt=False)[-1], whole[-1])
+
+
+@pytest.mark.parametrize("fmt", ["bf16", "k8v4"])
+def test_a_drafted_run_reads_as_its_tokens_decoded_one_at_a_time(fmt: str) -> None:
+    """A decoding lane's token and its drafts in one eager step (beside another lane's prompt
+    piece) give every row the bits of the same token decoded alone, one step each: a drafted run
+    is read as decode rows. The negative control: the run read as prompt rows does not."""
+    n, d = (300 if not INTERPRET else 130), 4
+    pool = KvPool(make_format(fmt, HKV, D), 1, 2, n + 64, CHUNK, None, DEV)
+    for lane in range(2):
+        assert pool.reserve(lane, n + d)
+    gen = torch.Generator(device=DEV).manual_seed(9)
+    q, k, v = (torch.randn(n + d, h, D, generator=gen, device=DEV).to(torch.bfloat16) for h in (HQ, HKV, HKV))
+    GpuTableAttention(pool, [SeqSpec(0, 0, n, prompt=True)], D**-0.5).attend(0, q[:n], k[:n], v[:n])
+    alone = torch.cat([GpuTableAttention(pool, [SeqSpec(0, n + j, 1)], D**-0.5)
+                       .attend(0, q[n + j : n + j + 1], k[n + j : n + j + 1], v[n + j : n + j + 1]).clone()
+                       for j in range(d)])
+    other = torch.randn(40, HQ, D, generator=gen, device=DEV).to(torch.bfloat16)
+
+    def run(drafted: bool) -> torch.Tensor:
+        seqs = [SeqSpec(1, 0, 40, prompt=True), SeqSpec(0, n, d, drafted=drafted)]
+        kk = torch.cat([other[:, :HKV], k[n:]])
+        vv = torch.cat([other[:, HKV : 2 * HKV], v[n:]])
+        return GpuTableAttention(pool, seqs, D**-0.5).attend(0, torch.cat([other, q[n:]]), kk, vv)[40:]
+
+    assert torch.equal(run(drafted=True), alone)
+    assert not torch.equal(run(drafted=False), alone)

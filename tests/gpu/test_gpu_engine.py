@@ -221,7 +221,10 @@ def test_greedy_tokens_match_the_cpu(models: Any, tokenizer: Tokenizer, name: st
 def test_batch_company(models: Any, tokenizer: Tokenizer, invariant: str) -> None:
     """Greedy bf16 text of each request alone, then among 16 and 64 busy lanes: with the
     batch-invariant products every one is identical (tokens and text); without them (cuBLAS at
-    several rows, the one-row kernels at one) some part, which shows the comparison can fail."""
+    several rows, the one-row kernels at one) some part, which shows the comparison can fail.
+    The later runs find their prompts cached by the alone runs (prefix reuse is on), so only the
+    last prompt token is read again: as a prompt piece of one token, the same bits as when it was
+    read with its whole prompt."""
     loaded = models("default", DEV, torch.bfloat16)
     topics = ["the moon", "bread", "rivers", "a lighthouse", "chess", "winter", "bees", "trains"]
     asks = ["Tell me about {}.", "Write one sentence on {}.", "What is special about {}?",
@@ -230,7 +233,7 @@ def test_batch_company(models: Any, tokenizer: Tokenizer, invariant: str) -> Non
     prompts = [_encode(tokenizer, a.format(t)) for a in asks for t in topics]  # 64 distinct
     params = SamplingParams(max_tokens=32, ignore_eos=True)
     cfg = EngineConfig(device=DEV, weights="dense", parallel=64, max_context=512, kv_chunk=128,
-                       prefix_reuse=False, max_queued=128, batch_invariant=invariant)
+                       max_queued=128, batch_invariant=invariant)
     with Engine(cfg, loaded=loaded) as engine:
 
         def together(batch: list[list[int]]) -> list[Any]:
@@ -240,7 +243,9 @@ def test_batch_company(models: Any, tokenizer: Tokenizer, invariant: str) -> Non
 
         alone = [together([p])[0] for p in prompts]
         among = {n: together(prompts[:n]) for n in (16, 64)}
-    figures: dict[str, Any] = {"model": loaded.name, "tokens": params.max_tokens}
+        reused = engine.stats()["prefix_tokens_reused"]
+    figures: dict[str, Any] = {"model": loaded.name, "tokens": params.max_tokens,
+                               "prefix_tokens_reused": reused}
     for n, events in among.items():
         same = [a.text == e.text and a.token_ids == e.token_ids for a, e in zip(alone, events)]
         figures[f"among_{n}"] = {
@@ -252,6 +257,7 @@ def test_batch_company(models: Any, tokenizer: Tokenizer, invariant: str) -> Non
         a.token_ids == b.token_ids for a, b in zip(among[16], among[64][:16]))
     _say(f"batch_company/bf16/invariant_{invariant}", figures)
     assert all(len(e.token_ids) == params.max_tokens for e in alone + among[16] + among[64])
+    assert reused > 0  # the later runs read cached prompts again from their last token
     identical = [figures[f"among_{n}"]["identical"] for n in (16, 64)]
     if invariant == "on":
         assert identical == [16, 64]

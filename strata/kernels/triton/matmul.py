@@ -42,7 +42,7 @@ def config_for(m: int, n: int, dtype: torch.dtype) -> Config:
     if m <= 16:
         return 16, 64 if n >= 16384 else 32, 4, 6
     if m <= 64:
-        return 64, 64, 4, 5
+        return 64, 64, 4, 6
     if m <= 256:
         return 64, 128, 4, 4
     return 128, 128, 8, 4
