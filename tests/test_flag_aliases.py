@@ -97,7 +97,7 @@ def test_part_of_the_layers_on_the_gpu_is_refused_in_one_line() -> None:
     (["-ngl", "0", "--device", "cuda"], ["-ngl 0", "cuda"]),
     (["-ngl", "99", "--device", "cpu"], ["-ngl 99", "cpu"]),
     (["--gpus", "cpu,gpu1"], ["--gpus", "gpu1"]),
-    (["--chat-template", "chatml"], ["--chat-template", "chatml", "no template by name"]),
+    (["--chat-template", "chatml2"], ["--chat-template", "chatml2", "one of the names", "llama3", "mistral-v7"]),
     (["--log-level", "loud"], ["--log-level", "'debug'"]),
     (["--spec", "lots"], ["--spec", "auto, off or a count"]),
     (["--spec-min-p", "1.5"], ["--spec-min-p", "from 0 to 1"]),
@@ -138,6 +138,16 @@ def test_chat_template_file_is_read_at_parse_time(tmp_path) -> None:
     assert config_of("--chat-template-file", str(path)).chat_template == template
     assert config_of("--chat-template", template).chat_template == template  # vLLM's inline form
     assert config_of().chat_template is None
+
+
+def test_chat_template_by_name_is_llama_servers(tmp_path, monkeypatch) -> None:
+    from strata.tokenizer.named_templates import named_template
+
+    monkeypatch.chdir(tmp_path)
+    assert config_of("--chat-template", "chatml").chat_template == named_template("chatml")
+    assert config_of("--chat-template", "llama3").chat_template == named_template("llama3")
+    (tmp_path / "chatml").write_text("{{ messages[0]['content'] }}")  # a file of that name wins
+    assert config_of("--chat-template", "chatml").chat_template == "{{ messages[0]['content'] }}"
 
 
 def test_chat_template_that_does_not_compile_fails_while_parsing(tmp_path, capsys) -> None:

@@ -7,6 +7,7 @@ flags; they are declared once here.
 from __future__ import annotations
 
 import argparse
+import os
 from dataclasses import dataclass, fields
 
 import torch
@@ -284,10 +285,10 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
                         "default): on with --spec, so drafts never change the answer; on: also among "
                         "lanes, at a measured cost")
     t = parser.add_argument_group("chat template")
-    t.add_argument("--chat-template", type=chat_template_arg, default=d.chat_template, metavar="FILE",
+    t.add_argument("--chat-template", type=chat_template_arg, default=d.chat_template, metavar="FILE|NAME",
                    help="render chats with this Jinja template file (or inline template text, as "
-                        "vLLM takes it) instead of the model's own; Strata knows no templates by "
-                        "name (llama-server's chatml, llama3, ... are files here)")
+                        "vLLM takes it, or one of llama-server's names: chatml, llama3, gemma, "
+                        "mistral-v7, ...) instead of the model's own")
     t.add_argument("--chat-template-file", dest="chat_template", type=chat_template_arg, metavar="FILE",
                    help="llama-server's spelling of --chat-template FILE")
     t.add_argument("--jinja", action="store_true",
@@ -424,20 +425,25 @@ def check_gpu_layers(config: EngineConfig, num_layers: int) -> None:
 
 
 def chat_template_arg(text: str) -> str:
-    """--chat-template FILE (or vLLM's inline Jinja text): the template's text, compiled before
-    the model loads. Names are refused: Strata has no built-in templates to look them up in."""
+    """--chat-template FILE|NAME (or vLLM's inline Jinja text): the template's text, compiled
+    before the model loads. A name is one of llama-server's (`tokenizer/named_templates.py`)
+    where no file of that name exists."""
     from strata.tokenizer.chat_template import compile_template
+    from strata.tokenizer.named_templates import NAMED, named_template
 
     inline = "{{" in text or "{%" in text
+    named = None if inline or os.path.exists(text) else named_template(text)
+    if named is not None:
+        return named
     if not inline:
         try:
             with open(text, encoding="utf-8") as f:
                 source = f.read()
         except OSError as e:
             raise argparse.ArgumentTypeError(
-                f"cannot read {text!r} ({e.strerror}); Strata takes a Jinja template file (or the "
-                "template text itself) and knows no template by name; without the flag the "
-                "model's own template is used") from None
+                f"cannot read {text!r} ({e.strerror}); give a Jinja template file, the template "
+                f"text itself, or one of the names {', '.join(sorted(NAMED))}; without the flag "
+                "the model's own template is used") from None
         except UnicodeDecodeError:
             raise argparse.ArgumentTypeError(f"{text!r} is not UTF-8 text") from None
     try:

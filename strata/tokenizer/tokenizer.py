@@ -186,7 +186,8 @@ class Tokenizer:
         template = template or self.chat_template
         if template is None:
             raise BadRequest(f"{self.source} has no chat template; send a plain prompt", "messages")
-        variables = {**self.special_tokens, **template_kwargs}
+        # add_bos_token: a named template (`named_templates.py`) writes BOS where the model adds it
+        variables = {"add_bos_token": self.add_bos_token, **self.special_tokens, **template_kwargs}
         return render_chat_template(
             template,
             messages,
