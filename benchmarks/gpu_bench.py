@@ -181,8 +181,8 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--pipeline", default="auto", choices=["auto", "on", "off"],
                    help="the engine's --pipeline (auto: on with CUDA-graph decode)")
     p.add_argument("--batch-invariant", default="off", choices=["auto", "on", "off"],
-                   help="the engine's --batch-invariant (off, its default; on: every lane's products "
-                        "summed as alone)")
+                   help="the engine's --batch-invariant (off here: these runs draft nothing, where the "
+                        "engine's auto is off too; on: every lane's products summed as alone)")
     p.add_argument("--long-context", type=int, default=0,
                    help="also decode one lane after a prompt of this many tokens (e.g. 32768)")
     p.add_argument("--long-kv", default="bf16,int8,k8v4",
