@@ -92,6 +92,7 @@ def test_part_of_the_layers_on_the_gpu_is_refused_in_one_line() -> None:
     (["--experts-on", "disk"], ["--experts-on", "'host'"]),
     (["--expert-policy", "fifo"], ["--expert-policy", "'lru'"]),
     (["--expert-cache", "lots"], ["--expert-cache", "auto"]),
+    (["--expert-uploads", "some"], ["--expert-uploads", "must be a count"]),
     (["--threads", "many"], ["--threads"]),
     (["-ngl", "most"], ["-ngl", "all"]),
     (["-ngl", "0", "--device", "cuda"], ["-ngl 0", "cuda"]),

@@ -63,6 +63,8 @@ class EngineConfig:
     experts_on: str = "device"  # a MoE model's routed experts: device (all resident) | host
     expert_cache: str | None = None  # device slots per layer with experts on the host: N | auto
     expert_policy: str = "lfru"  # which cached expert gives its slot up: lru | lfu | lfru
+    expert_uploads: int | None = None  # experts copied into a layer's slots per step at most; the
+    # misses past it are computed on the host (None: every miss is copied)
     chat_template: str | None = None  # Jinja text of --chat-template FILE; None = the model's own
     gpu_layers: int | None = None  # llama-server's -ngl: None or -1 = all; checked once loaded
     spec: int = 0  # drafted tokens a decoding lane may carry into a step (speculative.py); 0 = off
@@ -324,6 +326,10 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
                         "as many as the free device memory holds after the KV pool")
     e.add_argument("--expert-policy", default=d.expert_policy, choices=list(POLICIES),
                    help="which cached expert gives its slot up (default: lfru; docs/MOE.md)")
+    e.add_argument("--expert-uploads", type=count_arg, default=d.expert_uploads, metavar="N",
+                   help="with --expert-cache: experts copied into a layer's slots per step at most; "
+                        "the other misses (those with the fewest tokens) are computed on the host "
+                        "meanwhile, with the host's kernels (default: every miss is copied)")
     s = parser.add_argument_group("layer split (docs/STAGES.md)")
     s.add_argument("--gpus", type=gpus_arg, default=d.gpus,
                    help="split the model's layers over these devices in this process: GPU numbers "
@@ -466,6 +472,13 @@ def version_text() -> str:
     return f"strata {strata.__version__}"
 
 
+def count_arg(text: str) -> int:
+    """A count of 0 or more."""
+    if text.isdigit():
+        return int(text)
+    raise argparse.ArgumentTypeError(f"must be a count (0 or more), not {text!r}")
+
+
 def expert_cache_arg(text: str) -> str:
     """--expert-cache: auto or a positive count."""
     if text == "auto" or (text.isdigit() and int(text) > 0):
@@ -481,11 +494,16 @@ def expert_slots(config: EngineConfig) -> str | None:
     if config.expert_policy not in POLICIES:
         raise BadRequest(f"--expert-policy must be one of {', '.join(POLICIES)}, not {config.expert_policy!r}",
                          "expert_policy")
+    if config.expert_uploads is not None and config.expert_uploads < 0:
+        raise BadRequest(f"--expert-uploads must be 0 or more, not {config.expert_uploads}", "expert_uploads")
     if config.expert_cache is not None:
         try:
             return expert_cache_arg(str(config.expert_cache))
         except argparse.ArgumentTypeError as e:
             raise BadRequest(f"--expert-cache {e}", "expert_cache") from None
+    if config.experts_on != "host" and config.expert_uploads is not None:
+        raise BadRequest("--expert-uploads caps an expert cache's copies: give --expert-cache too",
+                         "expert_uploads")
     return "auto" if config.experts_on == "host" else None
 
 

@@ -298,7 +298,8 @@ class Engine:
         else:
             n = int(slots)
         self.expert_stats = CacheStats()
-        install_expert_cache(model, n, self.device, self.expert_stats, self.config.expert_policy)
+        install_expert_cache(model, n, self.device, self.expert_stats, self.config.expert_policy,
+                             self.config.expert_uploads)
         log.info("%s", describe_cache(model, self.device))
 
     # ---- public API ---------------------------------------------------------

@@ -24,6 +24,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
+from strata.errors import BadRequest
 from strata.kv.expert_residency import DEFAULT_POLICY, ExpertUsage, evict_order
 from strata.models.moe import ExpertMath
 
@@ -34,6 +35,7 @@ class CacheStats:
 
     hits: int = 0
     misses: int = 0
+    host_computed: int = 0  # misses past the upload cap, computed on the host (part of misses)
     bytes_uploaded: int = 0
     token_layers: int = 0  # tokens through each cached layer, summed
     slots: dict[int, int] = field(default_factory=dict)  # layer -> slots
@@ -47,7 +49,7 @@ class CacheStats:
         the model)."""
         tokens = self.token_layers / max(1, len(self.slots))
         return {"hit_rate": self.hit_rate(), "hits": self.hits, "misses": self.misses,
-                "bytes_uploaded": self.bytes_uploaded,
+                "host_computed": self.host_computed, "bytes_uploaded": self.bytes_uploaded,
                 "bytes_per_token": self.bytes_uploaded / tokens if tokens else 0.0,
                 "slots_per_layer": min(self.slots.values(), default=0), "layers": len(self.slots)}
 
@@ -57,17 +59,27 @@ class ExpertCache(nn.Module):
 
     `math`: the holder's product functions (`moe.DenseMath` / `BlockMath`), called with the slot
     tensors; `host`: the holder's expert-major tensors (moved to pinned memory here).
+    `max_uploads`: experts copied in per step at most (None: every miss); the misses past it,
+    those with the fewest tokens, are computed on the host from the host tensors, with the
+    host's kernels (their rounding, not the device's), while the device computes the rest.
     """
 
     def __init__(self, math: ExpertMath, host: list[torch.Tensor], slots: int, device: torch.device,
-                 layer: int, stats: CacheStats, policy: str = DEFAULT_POLICY) -> None:
+                 layer: int, stats: CacheStats, policy: str = DEFAULT_POLICY,
+                 max_uploads: int | None = None) -> None:
         super().__init__()
         experts = int(host[0].shape[0])
         if not 1 <= slots <= experts:
             raise ValueError(f"an expert cache of {slots} slots for {experts} experts")
+        if max_uploads is not None and max_uploads < 0:
+            raise ValueError(f"an upload cap of {max_uploads} experts")
+        if max_uploads is not None and getattr(math, "packed", False):
+            raise BadRequest("--expert-uploads: these experts are GGUF blocks packed for the GPU's kernels, "
+                             "which the host's cannot read; use --weights dense, or no cap", "expert_uploads")
         self.math = math
         self.num_experts = experts
         self.num_slots = slots
+        self.max_uploads = max_uploads
         self.policy = policy
         self.stats = stats
         stats.slots[layer] = slots
@@ -104,7 +116,8 @@ class ExpertCache(nn.Module):
         return [e for e in self.held if e >= 0]
 
     def forward(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
-        need = sorted(set(ids.reshape(-1).tolist()))  # the one host read of the routing
+        flat = ids.reshape(-1).tolist()  # the one host read of the routing
+        need = sorted(set(flat))
         if self.trace is not None:
             self.trace.append(need)
         hits = [e for e in need if self.slot_of[e] >= 0]
@@ -112,10 +125,17 @@ class ExpertCache(nn.Module):
         self.stats.hits += len(hits)
         self.stats.misses += len(misses)
         self.stats.token_layers += int(x.shape[0])
+        misses, on_host = uploads_and_host(misses, flat, self.max_uploads)
         k = ids.shape[1]
         launch = self.math.config(self.host_tensors(), int(x.shape[0]), k, x.dtype)  # all E's
         start = torch.cuda.current_stream(x.device).record_event() if self.copies is not None else None
-        if len(need) <= self.num_slots:  # one pass: the misses copied in, then every pair at once
+        if on_host:
+            y = torch.empty((ids.numel(), x.shape[-1]), dtype=x.dtype, device=x.device)
+            rows, pairs = self._host_rows(x, ids, on_host)  # to the host before the device's work
+            self._rounds(x, ids, hits, misses, [e for e in need if e not in on_host], y, launch, start)
+            self._compute_host(rows, pairs, ids, y)  # on the host while the device runs its part
+            self.stats.host_computed += len(on_host)
+        elif len(need) <= self.num_slots:  # one pass: the misses copied in, then every pair at once
             self._upload(misses, set(need), start)
             self.table_host.copy_(torch.tensor(self.slot_of, dtype=torch.int64))
             self.table.copy_(self.table_host, non_blocking=True)
@@ -124,17 +144,35 @@ class ExpertCache(nn.Module):
             y = self.math.pairs(rows, self.slot_tensors(), slots, launch)
         else:  # rounds of at most N experts: what is resident first, beside the first copies
             y = torch.empty((ids.numel(), x.shape[-1]), dtype=x.dtype, device=x.device)
-            room = self.num_slots - len(hits)
-            self._compute(x, ids, hits, y, launch)  # overlaps the copies of the first misses, which
-            self._upload(misses[:room], set(need), start)  # only wait for the steps before this one
-            self._compute(x, ids, misses[:room], y, launch)
-            for at in range(room, len(misses), self.num_slots):  # evicts experts computed above
-                group = misses[at : at + self.num_slots]
-                after = torch.cuda.current_stream(x.device).record_event() if self.copies is not None else None
-                self._upload(group, set(group), after)
-                self._compute(x, ids, group, y, launch)
+            self._rounds(x, ids, hits, misses, need, y, launch, start)
         self.usage.record(need)
         return self.math.combine(y, ids, weights)
+
+    def _rounds(self, x: torch.Tensor, ids: torch.Tensor, hits: list[int], misses: list[int],
+                need: list[int], y: torch.Tensor, launch: object, start: torch.cuda.Event | None) -> None:
+        """y's rows of the pairs of `hits` and `misses`, in rounds of at most N experts."""
+        room = self.num_slots - len(hits)
+        self._compute(x, ids, hits, y, launch)  # overlaps the copies of the first misses, which
+        self._upload(misses[:room], set(need), start)  # only wait for the steps before this one
+        self._compute(x, ids, misses[:room], y, launch)
+        for at in range(room, len(misses), self.num_slots):  # evicts experts computed above
+            group = misses[at : at + self.num_slots]
+            after = torch.cuda.current_stream(x.device).record_event() if self.copies is not None else None
+            self._upload(group, set(group), after)
+            self._compute(x, ids, group, y, launch)
+
+    def _host_rows(self, x: torch.Tensor, ids: torch.Tensor, experts: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+        """The x rows of the (token, expert) pairs of `experts`, on the host, and those pairs."""
+        wanted = torch.zeros(self.num_experts, dtype=torch.bool)
+        wanted[experts] = True
+        pairs = torch.nonzero(wanted.to(ids.device)[ids.reshape(-1)]).view(-1)
+        return x.index_select(0, pairs // ids.shape[1]).cpu(), pairs
+
+    def _compute_host(self, rows: torch.Tensor, pairs: torch.Tensor, ids: torch.Tensor, y: torch.Tensor) -> None:
+        """y's rows of `pairs`, computed on the host from the host tensors (the host's kernels)."""
+        experts = ids.reshape(-1)[pairs].cpu()
+        out = self.math.pairs(rows, self.host_tensors(), experts, None)
+        y[pairs] = out.pin_memory().to(y.device, non_blocking=True) if y.is_cuda else out
 
     def _upload(self, experts: list[int], needed: set[int], after: torch.cuda.Event | None) -> None:
         """Copy `experts` into slots that hold nothing or an expert outside `needed`, on the copy
@@ -173,15 +211,29 @@ class ExpertCache(nn.Module):
         y[pairs] = self.math.pairs(rows, self.slot_tensors(), slots[pairs], launch)
 
 
+def uploads_and_host(misses: list[int], routed: list[int], cap: int | None) -> tuple[list[int], list[int]]:
+    """(misses to copy in, misses to compute on the host) under an upload cap: the `cap` misses
+    with the most (token, expert) pairs in `routed` are copied, the rest stay on the host, each
+    list in expert order. No cap: every miss is copied."""
+    if cap is None or len(misses) <= cap:
+        return misses, []
+    count = {e: 0 for e in misses}
+    for e in routed:
+        if e in count:
+            count[e] += 1
+    up = set(sorted(misses, key=lambda e: (-count[e], e))[:cap])
+    return [e for e in misses if e in up], [e for e in misses if e not in up]
+
+
 def install_expert_cache(model: nn.Module, slots: int, device: torch.device, stats: CacheStats,
-                         policy: str = DEFAULT_POLICY) -> None:
+                         policy: str = DEFAULT_POLICY, max_uploads: int | None = None) -> None:
     """Replace every sparse layer's experts (loaded to the host) by an ExpertCache of `slots`."""
     for i, layer in enumerate(model.layers):
         experts = getattr(layer.mlp, "experts", None)
         if experts is None or isinstance(experts, ExpertCache) or experts.tensors()[0].is_meta:
             continue
         layer.mlp.hold_experts(ExpertCache(experts.math, experts.tensors(), min(slots, experts.num_experts),
-                                           device, i, stats, policy))
+                                           device, i, stats, policy, max_uploads))
 
 
 def one_expert_bytes(tensors: list[torch.Tensor]) -> int:

@@ -41,6 +41,9 @@ def test_expert_cache_keeps_the_greedy_tokens(moe_file: str) -> None:
     names = {m.name: m for m in EngineCollector(lambda: stats).collect()}
     assert names["strata_engine_expert_cache_enabled"].samples[0].value == 1
     assert names["strata_engine_expert_cache_hit_rate"].samples[0].value == figures["hit_rate"]
+    capped, stats = _run(moe_file, expert_cache="2", expert_uploads=1)  # the rest on the host
+    assert capped == resident
+    assert stats["expert_cache"]["host_computed"] > 0
 
 
 def test_bad_expert_flags_are_refused_before_the_load(moe_file: str) -> None:
@@ -48,3 +51,7 @@ def test_bad_expert_flags_are_refused_before_the_load(moe_file: str) -> None:
         Engine(EngineConfig(model=moe_file, device="cpu", expert_cache="0"))
     with pytest.raises(BadRequest, match="--expert-policy"):
         Engine(EngineConfig(model=moe_file, device="cpu", expert_policy="fifo"))
+    with pytest.raises(BadRequest, match="--expert-uploads caps an expert cache's copies"):
+        Engine(EngineConfig(model=moe_file, device="cpu", expert_uploads=2))
+    with pytest.raises(BadRequest, match="--expert-uploads must be 0 or more"):
+        Engine(EngineConfig(model=moe_file, device="cpu", expert_cache="2", expert_uploads=-1))

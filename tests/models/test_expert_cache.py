@@ -83,3 +83,46 @@ def test_full_model_with_a_cache_keeps_its_greedy_tokens(tmp_path) -> None:
 def test_slots_must_fit() -> None:
     with pytest.raises(ValueError, match="0 slots"):
         ExpertCache(None, [torch.zeros(4, 2, 2)], 0, torch.device("cpu"), 0, CacheStats())
+
+
+def test_uploads_past_the_cap_stay_on_the_host() -> None:
+    from strata.models.experts import uploads_and_host
+
+    routed = [3, 5, 5, 7, 7, 7, 9]
+    assert uploads_and_host([3, 5, 7, 9], routed, None) == ([3, 5, 7, 9], [])
+    assert uploads_and_host([3, 5, 7, 9], routed, 4) == ([3, 5, 7, 9], [])
+    assert uploads_and_host([3, 5, 7, 9], routed, 2) == ([5, 7], [3, 9])  # the most-used copied
+    assert uploads_and_host([3, 9], routed, 1) == ([3], [9])  # a tie: the lower id
+    assert uploads_and_host([3, 5], routed, 0) == ([], [3, 5])
+
+
+@pytest.mark.parametrize("cap", [0, 1])
+def test_a_capped_cache_computes_the_rest_on_the_host(moe_model, cap: int) -> None:
+    """With at most `cap` uploads a step, the other misses are computed from the host tensors;
+    on the CPU (the host's kernels on both sides) the bits are all-resident's."""
+    ref = moe_model.layers[0].mlp
+    cached = copy.deepcopy(ref)
+    stats = CacheStats()
+    install_expert_cache(_OneLayer(cached), 2, torch.device("cpu"), stats, max_uploads=cap)
+    with torch.inference_mode():
+        for x in _steps(2):
+            assert torch.equal(cached.forward(x), ref.forward(x))
+    assert stats.host_computed > 0
+    assert stats.bytes_uploaded == (stats.misses - stats.host_computed) * cached.experts.expert_bytes
+    if cap == 0:  # everything from the host tensors: one wrong byte there shows (negative control)
+        assert stats.bytes_uploaded == 0 and not cached.experts.resident()
+        x = _steps(3)[0]
+        ids, _ = ref.route(x)
+        with torch.inference_mode():
+            cached.experts.host_tensors()[2][int(ids[0, 0])] *= 1.02
+            assert not torch.equal(cached.forward(x), ref.forward(x))
+
+
+def test_a_capped_cache_of_packed_blocks_is_refused() -> None:
+    from strata.errors import BadRequest
+
+    class Packed:
+        packed = True
+
+    with pytest.raises(BadRequest, match="--expert-uploads: .*packed"):
+        ExpertCache(Packed(), [torch.zeros(4, 2, 2)], 2, torch.device("cpu"), 0, CacheStats(), max_uploads=1)
