@@ -131,9 +131,9 @@ class ExpertCache(nn.Module):
         start = torch.cuda.current_stream(x.device).record_event() if self.copies is not None else None
         if on_host:
             y = torch.empty((ids.numel(), x.shape[-1]), dtype=x.dtype, device=x.device)
-            rows, pairs = self._host_rows(x, ids, on_host)  # to the host before the device's work
+            rows, pairs, experts = self._host_rows(x, flat, k, on_host)  # before the device's work
             self._rounds(x, ids, hits, misses, [e for e in need if e not in on_host], y, launch, start)
-            self._compute_host(rows, pairs, ids, y)  # on the host while the device runs its part
+            self._compute_host(rows, pairs, experts, y)  # on the host while the device runs its part
             self.stats.host_computed += len(on_host)
         elif len(need) <= self.num_slots:  # one pass: the misses copied in, then every pair at once
             self._upload(misses, set(need), start)
@@ -161,18 +161,24 @@ class ExpertCache(nn.Module):
             self._upload(group, set(group), after)
             self._compute(x, ids, group, y, launch)
 
-    def _host_rows(self, x: torch.Tensor, ids: torch.Tensor, experts: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
-        """The x rows of the (token, expert) pairs of `experts`, on the host, and those pairs."""
-        wanted = torch.zeros(self.num_experts, dtype=torch.bool)
-        wanted[experts] = True
-        pairs = torch.nonzero(wanted.to(ids.device)[ids.reshape(-1)]).view(-1)
-        return x.index_select(0, pairs // ids.shape[1]).cpu(), pairs
+    @staticmethod
+    def _host_rows(x: torch.Tensor, flat: list[int], k: int,
+                   experts: list[int]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The (token, expert) pairs of `experts` from the routing read (`flat`, host): their x
+        rows copied to the host (this waits for x only), the pairs and their experts (host)."""
+        chosen = set(experts)
+        pairs = [i for i, e in enumerate(flat) if e in chosen]
+        tokens = torch.tensor([i // k for i in pairs], dtype=torch.int64)
+        rows = x.index_select(0, tokens.to(x.device)).cpu()
+        return rows, torch.tensor(pairs, dtype=torch.int64), torch.tensor([flat[i] for i in pairs])
 
-    def _compute_host(self, rows: torch.Tensor, pairs: torch.Tensor, ids: torch.Tensor, y: torch.Tensor) -> None:
+    def _compute_host(self, rows: torch.Tensor, pairs: torch.Tensor, experts: torch.Tensor, y: torch.Tensor) -> None:
         """y's rows of `pairs`, computed on the host from the host tensors (the host's kernels)."""
-        experts = ids.reshape(-1)[pairs].cpu()
         out = self.math.pairs(rows, self.host_tensors(), experts, None)
-        y[pairs] = out.pin_memory().to(y.device, non_blocking=True) if y.is_cuda else out
+        if y.is_cuda:
+            y[pairs.to(y.device)] = out.pin_memory().to(y.device, non_blocking=True)
+        else:
+            y[pairs] = out
 
     def _upload(self, experts: list[int], needed: set[int], after: torch.cuda.Event | None) -> None:
         """Copy `experts` into slots that hold nothing or an expert outside `needed`, on the copy
