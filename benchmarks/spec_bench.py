@@ -267,9 +267,10 @@ def workload_runs(models: Models, args: argparse.Namespace, name: str, convs: li
     rows: list[dict[str, Any]] = []
     ref: dict[str, Any] = {}
     answers: dict[str, Any] = {}  # batch_invariant -> the off run's outputs: what drafts must keep
-    if cuda and args.warmup:  # Triton compiles each kernel variant at its first use in the process
-        with open_engine(models, args, lanes, runs[0]) as engine:
-            replay(convs[:1], 1, engine_sender(engine, 16, temperature), engine.tokenizer)
+    if cuda and args.warmup:  # Triton compiles each kernel variant (per row count) at its first use
+        for run in runs[:2]:  # in the process: the default products and the invariant ones
+            with open_engine(models, args, lanes, run) as engine:
+                replay(convs[:lanes], lanes, engine_sender(engine, 16, temperature), engine.tokenizer)
     for run in runs:
         with open_engine(models, args, lanes, run) as engine:
             records, wall = replay(convs, lanes, engine_sender(engine, args.max_tokens, temperature),
