@@ -36,7 +36,7 @@ from typing import Any
 
 import torch
 
-from benchmarks.stage_process import StageProcess
+from benchmarks.stage_process import NO_MULTICAST, StageProcess
 from strata.engine.config import EngineConfig
 from strata.engine.engine import Engine
 from strata.engine.types import SamplingParams
@@ -85,7 +85,7 @@ def system_prompt(tok: Tokenizer, tokens: int) -> str:
 
 
 def start_worker(args: argparse.Namespace, key_file: Path, log_file: Path) -> StageProcess:
-    flags = ["--device", args.device, "--stage-key-file", str(key_file), "--dtype", args.dtype,
+    flags = ["--device", args.worker_device or args.device, "--stage-key-file", str(key_file), "--dtype", args.dtype,
              "--weights", args.weights, "--threads", str(args.threads)]
     return StageProcess(flags + (["--model", args.model] if args.model is not None else []), log_file)
 
@@ -217,7 +217,9 @@ def layer_count(model: str | None) -> int:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", default=None, help="GGUF file or model folder (default: the embedded model)")
-    ap.add_argument("--device", default="cpu", help="the main's and the worker's device")
+    ap.add_argument("--device", default="cpu", help="the main's device (and the worker's, unless --worker-device)")
+    ap.add_argument("--worker-device", default=None,
+                    help="the worker's device, e.g. cuda:1 beside a main on cuda:0 (NCCL between them)")
     ap.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
                     help="both processes' compute dtype")
     ap.add_argument("--weights", default="dense", choices=["auto", "dense", "int8", "int4"],
@@ -233,6 +235,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--configs", default=",".join(CONFIGS))
     ap.add_argument("--out", default=None, help="also write the JSON to this file")
     args = ap.parse_args(argv)
+    os.environ.update(NO_MULTICAST)  # this process's NCCL too (a worker on another GPU)
     names = [c for c in args.configs.split(",") if c]
     unknown = set(names) - set(CONFIGS)
     if unknown:
@@ -245,7 +248,8 @@ def main(argv: list[str] | None = None) -> int:
     out: dict[str, Any] = {
         "machine": {"cpu": platform.processor() or platform.machine(), "cpu_count": os.cpu_count(),
                     "torch": torch.__version__, "python": platform.python_version()},
-        "model": args.model or "embedded default", "device": args.device, "dtype": args.dtype,
+        "model": args.model or "embedded default", "device": args.device,
+        "worker_device": args.worker_device or args.device, "dtype": args.dtype,
         "weights": args.weights, "threads_per_process": args.threads, "parallel": args.parallel,
         "split_at": split_at, "gen": args.gen, "turns": [t.chat + str(t.index) for t in replay_order()],
         "configs": {}}
