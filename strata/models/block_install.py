@@ -60,9 +60,10 @@ def install_blocks(model: nn.Module, source: BlockSource, parts_of: Callable[[st
 
     def segments(pname: str, rows: int, device: torch.device) -> list[tuple[GGMLQuantizationType, torch.Tensor]] | None:
         parts = parts_of(pname, rows)
-        if any(p.join is not None for p in parts):  # rows reordered across tensors: read dense
-            return None
         types = [source.block_type(p.name) for p in parts]
+        joins = [p.join for p in parts if p.join is not None]
+        if joins and len(set(types)) > 1:  # rows of several types interleaved across the parts: dense
+            return None
         if any(not kernel_takes(device, t) for t in types):
             for t in types:
                 if t not in FLOAT_TYPES and not kernel_takes(device, t):
@@ -72,6 +73,8 @@ def install_blocks(model: nn.Module, source: BlockSource, parts_of: Callable[[st
         for part, t in zip(parts, types, strict=True):
             b = source.blocks(part.name, device)
             out.append((t, part.fix(b).contiguous() if part.fix is not None else b))
+        if joins:  # a row order across the parts (`Part.join`): a block row is a whole weight row
+            return [(types[0], joins[0](torch.cat([b for _, b in out])).contiguous())]
         return out
 
     for i, layer in enumerate(model.layers):
@@ -79,9 +82,11 @@ def install_blocks(model: nn.Module, source: BlockSource, parts_of: Callable[[st
         if device is None:
             continue
         mlp = dense_mlp(layer.mlp)
-        # a recurrent layer (Qwen3-Next's DeltaNet) has no self_attn: its projections stay dense
         owners = ([("self_attn", layer.self_attn, name) for name in ("qkv_proj", "o_proj")]
                   if layer.self_attn is not None else [])
+        delta = getattr(layer, "linear_attn", None)  # a recurrent layer (Qwen3-Next's gated DeltaNet)
+        if delta is not None:
+            owners += [("linear_attn", delta, name) for name in ("in_proj_qkvz", "in_proj_ba", "out_proj")]
         if mlp is not None:
             prefix = "mlp" if mlp is layer.mlp else "mlp.shared"
             owners += [(prefix, mlp, name) for name in ("gate_up_proj", "down_proj")]

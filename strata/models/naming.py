@@ -32,8 +32,8 @@ class Part:
     # row of [E, I, H]; a [H] gate vector is the [1, H] weight): read, then reshaped
     reshape: bool = False
     exact: bool = False  # read in float32, fixed, then cast: the fix must not round in the compute dtype
-    # a fix of the whole parameter once its parts are stacked (row orders across parts); the
-    # parameter is then read dense, never as the file's blocks
+    # a row order across the parts, applied to the whole parameter once they are stacked: rows
+    # move whole, so the file's block rows take it too (`block_install`)
     join: Fix | None = None
 
 

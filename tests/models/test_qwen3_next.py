@@ -223,16 +223,36 @@ QUANTIZED = {**DEFAULT_TYPES, "attn_qkv.weight": Q.Q8_0, "attn_gate.weight": Q.Q
 
 
 def test_quantized_gguf_blocks_match_dense(tmp_path) -> None:
-    """A quantized file with `--weights gguf` (the attention, MLP and expert blocks multiplied in
-    place, the DeltaNet's projections dequantized: their rows are reordered across two tensors)
-    gives the logits of the same file dequantized."""
+    """A quantized file with `--weights gguf` (the attention, MLP, DeltaNet and expert blocks
+    multiplied in place; in_proj_qkvz's block rows reordered from two tensors as its dense rows
+    are) gives the logits of the same file dequantized, and each DeltaNet projection held as
+    blocks reads out (an identity through the float32 product) as the dense weight exactly."""
     path = str(write_gguf(tiny_hf_model("qwen3_next"), tmp_path / "q.gguf", "qwen3next", types=QUANTIZED))
     dense = load_model(path, device="cpu", dtype="float32", weights="dense", progress=False)
     blocks = load_model(path, device="cpu", dtype="float32", weights="gguf", progress=False)
     assert blocks.weights == "gguf"
     assert type(blocks.model.layers[3].self_attn.qkv_proj).__name__ == "BlockLinear"
-    assert type(blocks.model.layers[0].linear_attn.in_proj_qkvz).__name__ == "Linear"
+    delta, want = blocks.model.layers[0].linear_attn, dense.model.layers[0].linear_attn
+    for name in ("in_proj_qkvz", "in_proj_ba"):
+        lin = getattr(delta, name)
+        assert type(lin).__name__ == "BlockLinear", name
+        read = lin.forward(torch.eye(lin.in_features))  # row j of the identity reads column j
+        assert torch.equal(read.T, getattr(want, name).weight), name
+    assert type(delta.out_proj).__name__ == "Linear"  # ssm_out is F32 here: no blocks to keep
+    qkvz = delta.in_proj_qkvz.forward(torch.eye(delta.in_proj_qkvz.in_features)).T
+    assert not torch.equal(qkvz, grouped_qkvz_undone(want.in_proj_qkvz.weight, blocks))  # the order matters
     torch.testing.assert_close(prompt_logits(blocks, LONG), prompt_logits(dense, LONG), atol=1e-3, rtol=1e-3)
+
+
+def grouped_qkvz_undone(weight: torch.Tensor, loaded) -> torch.Tensor:
+    """The negative control's rows: llama.cpp's order (q, k, v, z stacked), the order the file's
+    two tensors have before the join."""
+    cfg = loaded.config
+    hk = cfg.linear_num_key_heads
+    key, value = hk * cfg.linear_key_head_dim, cfg.linear_num_value_heads * cfg.linear_value_head_dim
+    per_head = weight.reshape(hk, -1, weight.shape[1])
+    sizes = (key // hk, key // hk, value // hk, value // hk)
+    return torch.cat([p.reshape(-1, weight.shape[1]) for p in per_head.split(sizes, dim=1)])
 
 
 def _load_error(path) -> ModelLoadError:
