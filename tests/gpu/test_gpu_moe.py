@@ -93,3 +93,37 @@ def test_block_experts_hold_the_files_bytes(files: dict[str, Path]) -> None:
     x = torch.randn(21, 256, device="cuda", dtype=torch.bfloat16)
     a, b = loaded.model.layers[0].mlp, dense.model.layers[0].mlp
     torch.testing.assert_close(a.forward(x), b.forward(x), atol=3e-2, rtol=3e-2)
+
+
+class _OneLayer(torch.nn.Module):
+    """What install_expert_cache walks (`.layers[i].mlp`), around one sparse MLP."""
+
+    def __init__(self, mlp: torch.nn.Module) -> None:
+        super().__init__()
+        layer = torch.nn.Module()
+        layer.mlp = mlp
+        self.layers = torch.nn.ModuleList([layer])
+
+
+def test_an_upload_cap_computes_the_rest_on_the_host(files: dict[str, Path]) -> None:
+    """`--expert-uploads`: the misses past the cap come from the host's kernels (close to the
+    device's, not their bits); packed GPU blocks are refused, since the host cannot read them."""
+    import copy
+
+    from strata.errors import BadRequest
+    from strata.models.experts import CacheStats, install_expert_cache
+
+    loaded = load_model(str(files["bf16"]), device="cuda", dtype="bfloat16", progress=False)
+    ref = loaded.model.layers[1].mlp
+    capped = copy.deepcopy(ref)
+    stats = CacheStats()
+    install_expert_cache(_OneLayer(capped), 3, torch.device("cuda"), stats, max_uploads=1)
+    x = torch.randn(37, 256, device="cuda", dtype=torch.bfloat16)
+    with torch.inference_mode():
+        for rows in (x, x[:1], x[1:4]):
+            torch.testing.assert_close(capped.forward(rows), ref.forward(rows), atol=2e-2, rtol=2e-2)
+    assert stats.host_computed > 0 and stats.bytes_uploaded > 0
+    out, eng = _run(files["bf16"], expert_cache="3", expert_uploads=1)
+    assert all(len(o) == 16 for o in out) and eng.expert_stats.host_computed > 0
+    with pytest.raises(BadRequest, match="--expert-uploads"):
+        _run(files["Q8_0"], expert_cache="3", expert_uploads=1)
