@@ -22,14 +22,13 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-import numpy as np
 import torch
 
 from strata.attention.base import InPlaceCells
 from strata.kernels.cpu.loader import cpu_kernel
 from strata.kv.formats import PlainFormat
 from strata.kv.pool import KvPool
-from strata.kv.step import SeqSpec, key_cells, step_cells
+from strata.kv.step import SeqSpec, StepCells, key_cells, step_cells
 
 BLOCK = 128
 KERNEL_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
@@ -74,7 +73,7 @@ class TableAttention:
         if kernel is not False and dev.type == "cpu" and seqs:
             self.kernel = cpu_kernel()
         if self.kernel is not None:
-            self._kernel_inputs(pool, seqs, cells.lanes)
+            self._kernel_inputs(pool, seqs, cells)
             return
         offsets, t = [], 0
         for s in seqs:
@@ -130,14 +129,11 @@ class TableAttention:
             spans=spans,
         )
 
-    def _kernel_inputs(self, pool: KvPool, seqs: list[SeqSpec], lanes: torch.Tensor) -> None:
-        """Every sequence's cells [S, Lmax], and each row's sequence and position."""
-        self.cells = key_cells(pool, lanes, max(s.end for s in seqs)).contiguous()
-        ns = np.fromiter((s.n for s in seqs), dtype=np.int64, count=len(seqs))
-        starts = np.fromiter((s.start for s in seqs), dtype=np.int64, count=len(seqs))
-        self.row_seq = torch.from_numpy(np.repeat(np.arange(len(seqs), dtype=np.int64), ns))
-        self.row_pos = torch.from_numpy(np.arange(int(ns.sum()), dtype=np.int64)
-                                        - np.repeat(np.cumsum(ns) - ns - starts, ns))
+    def _kernel_inputs(self, pool: KvPool, seqs: list[SeqSpec], cells: StepCells) -> None:
+        """Every sequence's cells [S, Lmax], and each row's sequence and position (the step's)."""
+        self.cells = key_cells(pool, cells.lanes, max(s.end for s in seqs)).contiguous()
+        self.row_seq = cells.token_seq
+        self.row_pos = cells.positions
         # plain cells are read in place; other formats are dequantized first, one layer at a time
         self.in_place = pool.in_place and isinstance(pool.fmt, PlainFormat)
 
