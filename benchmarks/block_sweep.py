@@ -37,10 +37,10 @@ from benchmarks.gemv_sweep import EPS, shapes
 try:  # the arguments parse without Triton (a CPU machine); the sweep itself needs it and CUDA
     from benchmarks.gemv_sweep import _time
     from strata.gguf.dequant import dequantize
-    from strata.kernels.triton import blocks, gemv
+    from strata.kernels.triton import blocks, gemv, kquant_rows
     from strata.kernels.triton.blocks_decode import TYPES
 except ImportError:
-    blocks = gemv = None  # type: ignore[assignment]
+    blocks = gemv = kquant_rows = None  # type: ignore[assignment]
 
 # gemv: (rows a program, values of a part a step (G * E), warps); runs of 8 values a thread,
 # so 1,024 values fill 4 warps and each thread then holds its inputs for all the rows
@@ -53,6 +53,8 @@ MM_GRID = {
     64: [(64, 64, 128, 4, 2), (64, 128, 128, 8, 2)],
     512: [(128, 128, 128, 8, 2), (128, 128, 128, 8, 3), (256, 128, 64, 8, 2)],
 }
+# kquant_rows (Q4_K, Q6_K; bf16): (rows a thread, threads a warp along rows, warps)
+KQ_GRID = [(2, 1, 2), (2, 2, 2), (4, 1, 2), (2, 1, 4), (4, 1, 4), (2, 2, 4), (4, 2, 2), (2, 4, 2)]
 _F16_FIELDS = ("d", "m")
 DEV = "cuda"
 
@@ -126,6 +128,8 @@ def sweep_gemv(name: str, n: int, k: int, ops: str, qtype: int, gib: float) -> d
         us = _us(lambda i: blocks.block_gemv(x, packed[i], qtype, packed=True, config=cfg, **kw),
                  copies, f"{name} {T(qtype).name} {cfg}")
         configs.append({"config": list(cfg), "us": us, "GBps": raw_bytes / us / 1e3})
+    if qtype in (T.Q4_K, T.Q6_K) and kquant_rows.gl is not None:
+        row.update(_sweep_kq(name, x, packed, qtype, kw, raw_bytes))
     raw = packed = None
     torch.cuda.empty_cache()
     w0 = torch.randn(n, k, device=dev, dtype=dt) * k**-0.5
@@ -137,6 +141,28 @@ def sweep_gemv(name: str, n: int, k: int, ops: str, qtype: int, gib: float) -> d
         row["best_GBps"] = row["best"]["GBps"]
         row["speedup_vs_dense"] = row["dense_bf16_gemv_us"] / row["best"]["us"]
     return row
+
+
+def _sweep_kq(name: str, x: torch.Tensor, packed: torch.Tensor, qtype: int, kw: dict[str, Any],
+              raw_bytes: int) -> dict[str, Any]:
+    """kquant_rows' group-sum kernel (a norm: its RMSNorm launch included) under KQ_GRID, and
+    how far its products are from the decode-then-multiply kernel's."""
+    copies = packed.shape[0]
+    silu = kw["silu"]
+    n = packed.shape[1] // (2 if silu else 1)
+    out = torch.empty((1, n), dtype=kw["out_dtype"] or x.dtype, device=x.device)
+    args = {key: kw[key] for key in ("norm_weight", "eps", "silu", "residual")}
+    configs = []
+    for cfg in KQ_GRID:
+        us = _us(lambda i: kquant_rows.kq_gemv(x, packed[i], qtype, out=out, config=cfg, **args),
+                 copies, f"{name} kq {cfg}")
+        configs.append({"config": list(cfg), "us": us, "GBps": raw_bytes / us / 1e3})
+    res: dict[str, Any] = {"kq_configs": configs, "kq_best": _best(configs)}
+    ref = blocks.block_gemv(x, packed[0], qtype, packed=True, config=(2, 4, 4, 1), **kw).double()
+    new = blocks.block_gemv(x, packed[0], qtype, packed=True, **kw).double()
+    res["kq_max_rel_diff"] = float(((new - ref).abs() / ref.abs().clamp_min(1e-3)).max())
+    res["kq_bits_equal"] = float((new == ref).double().mean())
+    return res
 
 
 def sweep_mm(name: str, n: int, k: int, qtype: int, m: int, gib: float) -> dict[str, Any]:

@@ -22,7 +22,7 @@ import torch
 from gguf import GGML_QUANT_SIZES
 from gguf import GGMLQuantizationType as T
 
-from strata.kernels.triton import blocks
+from strata.kernels.triton import blocks, kquant_rows
 from tests.gpu.test_fused_ops import randn
 from tests.gpu.test_gemv import EPS, assert_close, reference
 
@@ -206,3 +206,56 @@ def test_graph_replay_equals_eager(qtype: int) -> None:
     torch.cuda.synchronize()
     for a, c in zip(eager, captured):
         assert torch.equal(a, c)
+
+
+KQ_CONFIGS = [None, (2, 2, 2), (4, 1, 4), (2, 4, 2), (4, 2, 2)]
+KQ_TYPES = [T.Q4_K, T.Q6_K]
+
+
+@pytest.mark.skipif(INTERPRET, reason="the Gluon kernels need a GPU")
+@pytest.mark.parametrize("config", KQ_CONFIGS, ids=str)
+@pytest.mark.parametrize("qtype", KQ_TYPES, ids=["Q4_K", "Q6_K"])
+def test_group_sums(qtype: int, config: tuple[int, int, int] | None) -> None:
+    """bf16 rows of packed Q4_K and Q6_K take kquant_rows' kernels; under every launch shape of
+    the sweep's grid they give the oracle's products, folds included (as test_one_row and
+    test_folds)."""
+    x0 = randn(1, 512, dtype=torch.bfloat16, seed=1)
+    assert kquant_rows.takes(x0, qtype, True)
+    assert not kquant_rows.takes(x0, qtype, False) and not kquant_rows.takes(x0, T.Q8_0, True)
+    assert not kquant_rows.takes(x0.float(), qtype, True)
+    assert kquant_rows.takes(x0[:, :256], T.Q4_K, True) and not kquant_rows.takes(x0[:, :256], T.Q6_K, True)
+
+    def kq(x, b, n, **kw):
+        out = torch.empty((1, n), dtype=kw.pop("out_dtype", x.dtype), device=x.device)
+        args = dict(norm_weight=None, eps=EPS, silu=False, residual=None) | kw
+        return kquant_rows.kq_gemv(x, b, qtype, out=out, config=config, **args)
+
+    for i, (n, k) in enumerate([(37, 1024), (1, 512)] + SHAPES[3:]):
+        b, w = weights(qtype, n, k, seed=20 + i, packed=True)
+        x = randn(1, k, dtype=torch.bfloat16, seed=30 + i, scale=2.0)
+        assert_close(kq(x, b, n), *reference(x, w))
+    k = 512
+    x = randn(1, k, dtype=torch.bfloat16, seed=4, scale=2.0)
+    nw = randn(k, dtype=torch.bfloat16, seed=5) * 0.2 + 1.0
+    b, w = weights(qtype, 2 * 40, k, seed=6, packed=True)
+    assert_close(kq(x, b, 40, norm_weight=nw, silu=True), *reference(x, w, norm_weight=nw, silu=True))
+    h = randn(1, 80, dtype=torch.bfloat16, seed=7, scale=4.0)
+    assert_close(kq(x, b, 80, residual=h), *reference(x, w, residual=h))
+    logits = kq(x, b, 80, out_dtype=torch.float32)
+    assert logits.dtype == torch.float32 and torch.equal(logits, kq(x, b, 80).float())
+
+
+@pytest.mark.skipif(INTERPRET, reason="the Gluon kernels need a GPU")
+@pytest.mark.parametrize("qtype", KQ_TYPES, ids=["Q4_K", "Q6_K"])
+def test_group_sums_catch_a_wrong_scale(qtype: int) -> None:
+    """The negative control: one sub-scale byte changed (in the packed planes) is caught."""
+    b, w = weights(qtype, 64, 1024, seed=40, packed=True)
+    x = randn(1, 1024, dtype=torch.bfloat16, seed=41, scale=2.0)
+    bad = b.clone()
+    # row 0's scale plane, after 4 blocks of the larger planes: block 2, byte 1
+    at = (128 if qtype == T.Q4_K else 192) * 4 + (12 if qtype == T.Q4_K else 16) * 2 + 1
+    bad[0, at] ^= 0x21
+    good = blocks.block_gemv(x, b, qtype, packed=True)
+    assert_close(good, *reference(x, w))
+    with pytest.raises(AssertionError):
+        assert_close(blocks.block_gemv(x, bad, qtype, packed=True), *reference(x, w))

@@ -28,6 +28,7 @@ import torch
 import triton
 import triton.language as tl
 
+from strata.kernels.triton import kquant_rows
 from strata.kernels.triton.blocks_decode import (
     SUPPORTED,
     TYPES,
@@ -260,7 +261,8 @@ def block_gemv(
     silu: blocks hold gate rows then up rows; the result is silu(gate) * up.
     residual: [1, N] added to the rounded product.
     out_dtype: store the (rounded) result in another dtype (float32 logits).
-    config: the launch shape instead of `default_gemv_config`'s (the sweep's candidates).
+    config: the launch shape instead of `default_gemv_config`'s (the sweep's candidates); without
+        one, what `kquant_rows.takes` (bf16 rows of packed Q4_K) takes its group-sum kernel.
     """
     nb = _check(x, blocks, qtype, "block_gemv", one_row=True)
     n, k = blocks.shape[0], x.shape[1]
@@ -275,8 +277,11 @@ def block_gemv(
                                  or not residual.is_contiguous()):
         raise ValueError(f"block_gemv: residual {tuple(residual.shape)} {residual.dtype} "
                          f"for {n} outputs of {x.dtype}")
-    bn, per, warps, stages = config or default_gemv_config(n, k, qtype, silu)
     out = torch.empty((1, n), dtype=out_dtype or x.dtype, device=x.device)
+    if config is None and kquant_rows.takes(x, qtype, packed):
+        return kquant_rows.kq_gemv(x, blocks, qtype, norm_weight=norm_weight, eps=eps, silu=silu,
+                                   residual=residual, out=out)
+    bn, per, warps, stages = config or default_gemv_config(n, k, qtype, silu)
     pdl = x.is_cuda and pdl_on(x.device.index if x.device.index is not None else 0)
     _gemv_kernel[(triton.cdiv(n, bn),)](
         x, blocks, blocks.view(torch.float16), out, residual if residual is not None else x,
