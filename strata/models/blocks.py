@@ -153,9 +153,11 @@ class BlockLinear(nn.Module):
             q, b = segs[0]
             return g.block_gemv(x, b, int(q), norm_weight=norm_weight, eps=eps, silu=silu, residual=residual,
                                 out_dtype=out_dtype, packed=self.packed)
-        # several types: each segment normalises the row itself; SwiGLU and the residual after
-        parts = [g.block_gemv(x, b, int(q), norm_weight=norm_weight, eps=eps, out_dtype=out_dtype,
-                              packed=self.packed) for q, b in segs]
+        # several types: the row normalised once (the folds round as ops.rms_norm does), then
+        # each segment; SwiGLU and the residual after
+        if norm_weight is not None:
+            x = ops.rms_norm(x, norm_weight, eps)
+        parts = [g.block_gemv(x, b, int(q), out_dtype=out_dtype, packed=self.packed) for q, b in segs]
         y = torch.cat(parts, dim=-1)
         if silu:
             y = ops.silu_mul(y)

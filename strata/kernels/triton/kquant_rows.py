@@ -36,7 +36,7 @@ except ImportError:  # pragma: no cover - depends on the installed Triton
 
 from strata.kernels.triton.blocks_decode import layout
 from strata.kernels.triton import fused
-from strata.kernels.triton.gemv import INTERPRET
+from strata.kernels.triton.gemv import INTERPRET, pdl_on
 
 Config = tuple[int, int, int]  # (rows a thread, threads a warp along rows, warps)
 # (N, K, qtype) -> Config; N counts gate rows only for gate/up. From `benchmarks.block_sweep`.
@@ -99,6 +99,16 @@ if gl is not None:
         return sc.to(gl.float32), mn.to(gl.float32)
 
     @gluon.jit
+    def _after_previous(PDL: gl.constexpr):
+        """With programmatic dependent launch: let the next kernel start its programs, then wait
+        for the previous kernel's writes (x, the residual) before anything is read."""
+        if PDL:
+            gl.inline_asm_elementwise("griddepcontrol.launch_dependents; // $0", "=r", [],
+                                      dtype=gl.int32, is_pure=False, pack=1)
+            gl.inline_asm_elementwise("griddepcontrol.wait; // $0", "=r", [], dtype=gl.int32,
+                                      is_pure=False, pack=1)
+
+    @gluon.jit
     def _row_bytes(pid, N, BN: gl.constexpr, OUTS: gl.constexpr, RS: gl.constexpr,
                    SILU: gl.constexpr, L2: gl.constexpr):
         """Byte offsets of the program's BN weight rows (SILU: gate and up rows alternating);
@@ -132,7 +142,7 @@ if gl is not None:
     @gluon.jit
     def _q4k_kernel(x, b, h, out, res, N, K: gl.constexpr, OSC: gl.constexpr, OD: gl.constexpr,
                     OM: gl.constexpr, RPT: gl.constexpr, TR: gl.constexpr, WARPS: gl.constexpr,
-                    SILU: gl.constexpr, RESIDUAL: gl.constexpr):
+                    SILU: gl.constexpr, RESIDUAL: gl.constexpr, PDL: gl.constexpr):
         """A program owns BN = RPT * TR weight rows (with SILU: gate and up rows alternating)
         and walks their 64-value chunks, CH at a time, one chunk a thread."""
         L: gl.constexpr = gl.BlockedLayout([RPT, 1, 8], [TR, 32 // TR, 1], [1, WARPS, 1], [2, 1, 0])
@@ -144,6 +154,7 @@ if gl is not None:
         NCH: gl.constexpr = NB * 4  # chunks of 32 quant bytes a row
         RS: gl.constexpr = NB * 144
         OUTS: gl.constexpr = BN // 2 if SILU else BN
+        _after_previous(PDL)
         pid = gl.program_id(0)
         rb = gl.expand_dims(_row_bytes(pid, N, BN, OUTS, RS, SILU, L2), 1)  # [BN, 1] bytes
         rw = gl.expand_dims(rb // 4, 2)  # [BN, 1, 1] words
@@ -198,7 +209,7 @@ if gl is not None:
     @gluon.jit
     def _q6k_kernel(x, b, h, out, res, N, K: gl.constexpr, OH: gl.constexpr, OSC: gl.constexpr,
                     OD: gl.constexpr, RPT: gl.constexpr, TR: gl.constexpr, WARPS: gl.constexpr,
-                    SILU: gl.constexpr, RESIDUAL: gl.constexpr):
+                    SILU: gl.constexpr, RESIDUAL: gl.constexpr, PDL: gl.constexpr):
         """As _q4k_kernel for Q6_K: a thread's chunk is 32 bytes of one half's low nibbles (values
         l0 + l and 64 + l0 + l of the half, l < 32) with the 32 high-bit bytes they share with the
         other chunk of the half; w = d * sc * (q - 32) over groups of 16, so a group adds
@@ -214,6 +225,7 @@ if gl is not None:
         NCH: gl.constexpr = NB * 4
         RS: gl.constexpr = NB * 210
         OUTS: gl.constexpr = BN // 2 if SILU else BN
+        _after_previous(PDL)
         pid = gl.program_id(0)
         rb2 = gl.expand_dims(_row_bytes(pid, N, BN, OUTS, RS, SILU, L2), 1)  # [BN, 1] bytes
         rb3 = gl.expand_dims(rb2, 2)  # [BN, 1, 1]
@@ -288,9 +300,10 @@ def kq_gemv(x: torch.Tensor, blocks: torch.Tensor, qtype: int, *, norm_weight: t
                    layout(qtype, k // 256, True)))
     offsets = {key: lay[key] for key in (("OSC", "OD", "OM") if qtype == T.Q4_K else ("OH", "OSC", "OD"))}
     rows = rpt * tr // (2 if silu else 1)
+    pdl = pdl_on(x.device.index if x.device.index is not None else 0)
     KERNELS[int(qtype)][(-(-n // rows),)](
         x, blocks, blocks.view(torch.float16), out, residual if residual is not None else x, n,
         K=k, **offsets, RPT=rpt, TR=tr, WARPS=warps, SILU=silu, RESIDUAL=residual is not None,
-        num_warps=warps,
+        PDL=pdl, num_warps=warps, **({"launch_pdl": True} if pdl else {}),
     )
     return out
