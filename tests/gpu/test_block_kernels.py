@@ -5,7 +5,8 @@ Blocks come from `gguf.quants.quantize` where it exists (the legacy types) and
 are random bytes with fp16 d and dmin of a sane size otherwise (the K-quants),
 so every bit pattern of quants and sub-scales occurs. The one-row oracle is
 test_gemv's (the unfused ops' rounding, exact products); the many-row one
-rounds the weights to x's dtype first, as the kernels feed them to `tl.dot`.
+rounds the weights to x's dtype first, as the kernels feed them to `tl.dot`, except
+where kquant_mm's group sums take the rows (exact products again).
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ import torch
 from gguf import GGML_QUANT_SIZES
 from gguf import GGMLQuantizationType as T
 
-from strata.kernels.triton import blocks, kquant_rows
+from strata.kernels.triton import blocks, kquant_mm, kquant_rows
 from tests.gpu.test_fused_ops import randn
 from tests.gpu.test_gemv import EPS, assert_close, reference
 
@@ -57,6 +58,15 @@ def mm_reference(x: torch.Tensor, w: torch.Tensor) -> tuple[torch.Tensor, torch.
     """The exact product of x and the weights rounded to x's dtype, rounded once; sum |x| |w|."""
     wd = w.to(x.dtype).double()
     return (x.double() @ wd.T).to(x.dtype), x.double().abs() @ wd.abs().T
+
+
+def mm_oracle(x: torch.Tensor, w: torch.Tensor, qtype: int, packed: bool):
+    """block_mm's oracle: the exact product where kquant_mm's group sums take the rows (they
+    multiply the unrounded weights), else the weights rounded to x's dtype first. Under the
+    interpreter `mm` passes a launch shape, which keeps block_mm's own kernel."""
+    if not INTERPRET and kquant_mm.takes(x, qtype, packed, invariant=False):
+        return reference(x, w)
+    return mm_reference(x, w)
 
 
 def gemv(x: torch.Tensor, b: torch.Tensor, qtype: int, **kw) -> torch.Tensor:
@@ -98,7 +108,7 @@ def test_many_rows(qtype: int, packed: bool) -> None:
         cases += [(5, torch.float16), (5, torch.float32)]
     for m, dtype in cases:
         x = randn(m, 768, dtype=dtype, seed=m, scale=2.0)
-        assert_close(mm(x, b, qtype, packed=packed), *mm_reference(x, w))
+        assert_close(mm(x, b, qtype, packed=packed), *mm_oracle(x, w, qtype, packed))
 
 
 @pytest.mark.skipif(INTERPRET, reason="the 8B shapes are slow under the interpreter")
@@ -108,7 +118,7 @@ def test_many_rows_8b_shapes(qtype: int) -> None:
         b, w = weights(qtype, n, k, seed=n, packed=True)
         for m in (16, 64, 512):
             x = randn(m, k, dtype=torch.bfloat16, seed=m)
-            assert_close(blocks.block_mm(x, b, qtype, packed=True), *mm_reference(x, w))
+            assert_close(blocks.block_mm(x, b, qtype, packed=True), *mm_oracle(x, w, qtype, True))
 
 
 FOLD_CASES = [(T.Q4_K, dt) for dt in DTYPES] + [(t, torch.bfloat16) for t in (T.Q6_K, T.Q8_0, T.Q4_1)]
@@ -259,3 +269,28 @@ def test_group_sums_catch_a_wrong_scale(qtype: int) -> None:
     assert_close(good, *reference(x, w))
     with pytest.raises(AssertionError):
         assert_close(blocks.block_gemv(x, bad, qtype, packed=True), *reference(x, w))
+
+
+@pytest.mark.parametrize("m", [2, 5, 16, 33, 64])
+def test_group_sums_many_rows(m: int) -> None:
+    """2-64 bf16 rows of packed Q4_K take kquant_mm's group sums: the exact product of the
+    unrounded weights (test_gemv's oracle), not of the weights rounded to bf16 first."""
+    n, k = (37, 768) if INTERPRET or m != 16 else (6144, 4096)
+    b, w = weights(T.Q4_K, n, k, seed=50 + m, packed=True)
+    x = randn(m, k, dtype=torch.bfloat16, seed=60 + m, scale=2.0)
+    assert kquant_mm.takes(x, T.Q4_K, True, False)
+    assert not kquant_mm.takes(x, T.Q4_K, True, True)  # --batch-invariant: block_mm's order
+    assert not kquant_mm.takes(x, T.Q4_K, False, False) and not kquant_mm.takes(x, T.Q6_K, True, False)
+    assert not kquant_mm.takes(x.half(), T.Q4_K, True, False)
+    assert not kquant_mm.takes(randn(65, k, dtype=torch.bfloat16, seed=1), T.Q4_K, True, False)
+    got = blocks.block_mm(x, b, T.Q4_K, packed=True)
+    assert_close(got, *reference(x, w))
+    logits = blocks.block_mm(x, b, T.Q4_K, torch.float32, packed=True)
+    assert logits.dtype == torch.float32 and torch.equal(logits, got.float())
+    # the invariant order is block_mm's own: its weights rounded to bf16 first
+    assert_close(blocks.block_mm(x, b, T.Q4_K, packed=True, invariant=True), *mm_reference(x, w))
+    if m == 5:  # the negative control: a sub-scale byte changed is caught
+        bad = b.clone()
+        bad[3, 128 * (k // 256) + 12 + 2] ^= 0x21
+        with pytest.raises(AssertionError):
+            assert_close(blocks.block_mm(x, bad, T.Q4_K, packed=True), *reference(x, w))
