@@ -56,7 +56,7 @@ MM_GRID = {
 # kquant_rows (Q4_K, Q6_K; bf16): (rows a thread, threads a warp along rows, warps)
 # kquant_mm (Q4_K, bf16, 2-64 rows): (BLOCK_M, BLOCK_N, warps, stages) per `blocks.m_bucket`
 KQ_MM_GRID = {16: [(16, 64, 4, 2), (16, 32, 4, 2), (16, 128, 4, 2), (16, 64, 4, 3)],
-              64: [(64, 64, 4, 2), (64, 32, 4, 2), (64, 128, 8, 2), (32, 64, 4, 2)]}
+              64: [(64, 64, 8, 2), (64, 32, 4, 2), (32, 64, 4, 2), (64, 32, 4, 3)]}
 KQ_GRID = [(2, 1, 2), (2, 2, 2), (4, 1, 2), (2, 1, 4), (4, 1, 4), (2, 2, 4), (4, 2, 2), (2, 4, 2)]
 _F16_FIELDS = ("d", "m")
 DEV = "cuda"

@@ -272,25 +272,27 @@ def test_group_sums_catch_a_wrong_scale(qtype: int) -> None:
 
 
 @pytest.mark.parametrize("m", [2, 5, 16, 33, 64])
-def test_group_sums_many_rows(m: int) -> None:
-    """2-64 bf16 rows of packed Q4_K take kquant_mm's group sums: the exact product of the
-    unrounded weights (test_gemv's oracle), not of the weights rounded to bf16 first."""
+@pytest.mark.parametrize("qtype", KQ_TYPES, ids=["Q4_K", "Q6_K"])
+def test_group_sums_many_rows(qtype: int, m: int) -> None:
+    """2-64 bf16 rows of packed Q4_K or Q6_K take kquant_mm's group sums: the exact product of
+    the unrounded weights (test_gemv's oracle), not of the weights rounded to bf16 first."""
     n, k = (37, 768) if INTERPRET or m != 16 else (6144, 4096)
-    b, w = weights(T.Q4_K, n, k, seed=50 + m, packed=True)
+    b, w = weights(qtype, n, k, seed=50 + m, packed=True)
     x = randn(m, k, dtype=torch.bfloat16, seed=60 + m, scale=2.0)
-    assert kquant_mm.takes(x, T.Q4_K, True, False)
-    assert not kquant_mm.takes(x, T.Q4_K, True, True)  # --batch-invariant: block_mm's order
-    assert not kquant_mm.takes(x, T.Q4_K, False, False) and not kquant_mm.takes(x, T.Q6_K, True, False)
-    assert not kquant_mm.takes(x.half(), T.Q4_K, True, False)
-    assert not kquant_mm.takes(randn(65, k, dtype=torch.bfloat16, seed=1), T.Q4_K, True, False)
-    got = blocks.block_mm(x, b, T.Q4_K, packed=True)
+    assert kquant_mm.takes(x, qtype, True, False)
+    assert not kquant_mm.takes(x, qtype, True, True)  # --batch-invariant: block_mm's order
+    assert not kquant_mm.takes(x, qtype, False, False) and not kquant_mm.takes(x, T.Q8_0, True, False)
+    assert not kquant_mm.takes(x.half(), qtype, True, False)
+    assert not kquant_mm.takes(randn(65, k, dtype=torch.bfloat16, seed=1), qtype, True, False)
+    got = blocks.block_mm(x, b, qtype, packed=True)
     assert_close(got, *reference(x, w))
-    logits = blocks.block_mm(x, b, T.Q4_K, torch.float32, packed=True)
+    logits = blocks.block_mm(x, b, qtype, torch.float32, packed=True)
     assert logits.dtype == torch.float32 and torch.equal(logits, got.float())
     # the invariant order is block_mm's own: its weights rounded to bf16 first
-    assert_close(blocks.block_mm(x, b, T.Q4_K, packed=True, invariant=True), *mm_reference(x, w))
+    assert_close(blocks.block_mm(x, b, qtype, packed=True, invariant=True), *mm_reference(x, w))
     if m == 5:  # the negative control: a sub-scale byte changed is caught
         bad = b.clone()
-        bad[3, 128 * (k // 256) + 12 + 2] ^= 0x21
+        planes = 128 * (k // 256) if qtype == T.Q4_K else 192 * (k // 256)
+        bad[3, planes + 2] ^= 0x21
         with pytest.raises(AssertionError):
-            assert_close(blocks.block_mm(x, bad, T.Q4_K, packed=True), *reference(x, w))
+            assert_close(blocks.block_mm(x, bad, qtype, packed=True), *reference(x, w))

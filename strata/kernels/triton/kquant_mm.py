@@ -1,4 +1,4 @@
-"""Products of 2-64 bf16 rows with packed Q4_K blocks by group sums, on the tensor cores.
+"""Products of 2-64 bf16 rows with packed Q4_K and Q6_K blocks by group sums, on the tensor cores.
 
 `blocks.block_mm` decodes each weight to its float32 value, rounds it to bf16
 and feeds `tl.dot`: at 16 rows the decode, not the memory, bounds it (the
@@ -9,7 +9,7 @@ applied to the [rows, columns] sums after it, as in `kquant_rows`:
 
     sum(w * x) = 16 a * sum((1 + q / 16) * x) - (16 a + b) * sum(x)
 
-for ggml's w = a * q - b. The products are exact (bf16 times bf16 in
+for ggml's w = a * q - b (Q6_K: `1 + q / 64` over groups of 16, `_mm_q6k_kernel`). The products are exact (bf16 times bf16 in
 float32), so this is closer to the exact product than rounding each weight
 to bf16 first. The epilogue costs 2 M / 32 fused multiply-adds a weight, so
 it is taken for M <= 64 only; larger M (prompts) keep `block_mm`'s kernel,
@@ -32,13 +32,14 @@ Config = tuple[int, int, int, int]  # (BLOCK_M, BLOCK_N, warps, stages)
 
 
 def default_config(m: int, n: int) -> Config:
-    """16 or 64 rows a tile; narrow column tiles so that every multiprocessor streams weights."""
-    return (16 if m <= 16 else 64), 64, 4, 2
+    """16 or 64 rows a tile, 64 columns (64 rows: 8 warps, which 4 would spill); narrow column
+    tiles so that every multiprocessor streams weights."""
+    return (16, 64, 4, 2) if m <= 16 else (64, 64, 8, 2)
 
 
 def takes(x: torch.Tensor, qtype: int, packed: bool, invariant: bool) -> bool:
     """Whether this kernel computes x [M, K] (2 <= M <= 64) times packed `qtype` blocks."""
-    return (qtype == T.Q4_K and packed and not invariant and x.dtype == torch.bfloat16
+    return (qtype in (T.Q4_K, T.Q6_K) and packed and not invariant and x.dtype == torch.bfloat16
             and 2 <= x.shape[0] <= MAX_ROWS and x.shape[1] % 256 == 0)
 
 
@@ -58,7 +59,7 @@ def _scale_min(b, at, J: tl.constexpr):
 @triton.jit
 def _ones_plus(q):
     """bf16 1 + q / 16 for nibbles q (bits 3-6 of the bf16 1.0)."""
-    return ((q.to(tl.int16) << 3) | 0x3F80).to(tl.bfloat16, bitcast=True)
+    return ((q.to(tl.int32) << 3) | 0x3F80).to(tl.int16).to(tl.bfloat16, bitcast=True)
 
 
 @triton.jit
@@ -93,6 +94,39 @@ def _mm_q4k_kernel(x, b, h, out, M, N, K: tl.constexpr, RS: tl.constexpr, OSC: t
              mask=(rm < M)[:, None] & (rn < N)[None, :])
 
 
+@triton.jit
+def _mm_q6k_kernel(x, b, h, out, M, N, K: tl.constexpr, RS: tl.constexpr, OH: tl.constexpr,
+                   OSC: tl.constexpr, OD: tl.constexpr, BLOCK_M: tl.constexpr,
+                   BLOCK_N: tl.constexpr):
+    """Q6_K: w = d * sc * (q - 32) over groups of 16, q's low nibble in ql and its two high
+    bits in qh; with f = 1 + q / 64 (exact in bf16) a group adds 64 d sc * sum(f * x) -
+    96 d sc * sum(x)."""
+    rm = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    rn = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    xr = (tl.where(rm < M, rm, 0).to(tl.int64) * K)[:, None]
+    rb = tl.where(rn < N, rn, 0).to(tl.int64) * RS
+    t = tl.arange(0, 16)
+    acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+    for blk in range(K // 256):
+        d = tl.load(h + (rb + OD + blk * 2) // 2).to(tl.float32)
+        for g in tl.static_range(16):  # values 16 g .. 16 g + 15 of the block
+            hh = g // 8  # the half of the block
+            v = (g % 8) * 16  # the group's first value within the half
+            at = v % 64  # its ql byte: high nibbles hold values 64 .. 127 of a half
+            ql = tl.load(b + rb[:, None] + blk * 128 + hh * 64 + at + t[None, :]).to(tl.int16)
+            qh = tl.load(b + rb[:, None] + OH + blk * 64 + hh * 32 + at % 32 + t[None, :]).to(tl.int16)
+            q = ((ql >> (4 * (v // 64))) & 15) | (((qh >> (2 * (v // 32))) & 3) << 4)
+            f = ((q.to(tl.int32) << 1) | 0x3F80).to(tl.int16).to(tl.bfloat16, bitcast=True)
+            xg = tl.load(x + xr + blk * 256 + hh * 128 + v + t[None, :])
+            s = tl.dot(xg, tl.trans(f))
+            sc = tl.load(b.to(tl.pointer_type(tl.int8), bitcast=True) + rb + OSC + blk * 16 + g).to(tl.float32)
+            a = d * sc
+            acc += s * (64.0 * a)[None, :] - tl.sum(xg.to(tl.float32), 1)[:, None] * (96.0 * a)[None, :]
+    y = acc.to(tl.bfloat16).to(out.dtype.element_ty)
+    tl.store(out + rm[:, None].to(tl.int64) * N + rn[None, :], y,
+             mask=(rm < M)[:, None] & (rn < N)[None, :])
+
+
 def kq_mm(x: torch.Tensor, blocks: torch.Tensor, qtype: int, out: torch.Tensor,
           config: Config | None = None) -> torch.Tensor:
     """`blocks.block_mm`'s product (checked there) for what `takes`: writes and returns out."""
@@ -101,8 +135,12 @@ def kq_mm(x: torch.Tensor, blocks: torch.Tensor, qtype: int, out: torch.Tensor,
     lay = dict(zip(("OQ", "SQ", "OH", "SH", "OSC", "SSC", "OD", "SD", "OM", "SM"),
                    layout(qtype, k // 256, True)))
     bm, bn, warps, stages = config or default_config(m, n)
-    _mm_q4k_kernel[(triton.cdiv(m, bm), triton.cdiv(n, bn))](
-        x, blocks, blocks.view(torch.float16), out, m, n, K=k, RS=k // 256 * 144, OSC=lay["OSC"],
-        OD=lay["OD"], OM=lay["OM"], BLOCK_M=bm, BLOCK_N=bn, num_warps=warps, num_stages=stages,
-    )
+    grid = (triton.cdiv(m, bm), triton.cdiv(n, bn))
+    common = dict(BLOCK_M=bm, BLOCK_N=bn, num_warps=warps, num_stages=stages)
+    if qtype == T.Q4_K:
+        _mm_q4k_kernel[grid](x, blocks, blocks.view(torch.float16), out, m, n, K=k, RS=k // 256 * 144,
+                             OSC=lay["OSC"], OD=lay["OD"], OM=lay["OM"], **common)
+    else:
+        _mm_q6k_kernel[grid](x, blocks, blocks.view(torch.float16), out, m, n, K=k, RS=k // 256 * 210,
+                             OH=lay["OH"], OSC=lay["OSC"], OD=lay["OD"], **common)
     return out
