@@ -63,14 +63,31 @@ def _ones_plus(q):
 
 
 @triton.jit
-def _mm_q4k_kernel(x, b, h, out, M, N, K: tl.constexpr, RS: tl.constexpr, OSC: tl.constexpr,
-                   OD: tl.constexpr, OM: tl.constexpr, BLOCK_M: tl.constexpr,
-                   BLOCK_N: tl.constexpr):
-    """Axis 0 walks the row tiles of x, so the programs that share a weight tile run together."""
+def _tile(M, N, K: tl.constexpr, RS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """The program's rows of x and of the weights, and where they start (rows past the end read
+    row 0). Axis 0 walks the row tiles of x, so the programs that share a weight tile run
+    together."""
     rm = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     rn = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     xr = (tl.where(rm < M, rm, 0).to(tl.int64) * K)[:, None]
     rb = tl.where(rn < N, rn, 0).to(tl.int64) * RS
+    return rm, rn, xr, rb
+
+
+@triton.jit
+def _store(acc, out, rm, rn, M, N):
+    """The float32 sums rounded to bf16 (x's dtype), stored in out's."""
+    y = acc.to(tl.bfloat16).to(out.dtype.element_ty)
+    tl.store(out + rm[:, None].to(tl.int64) * N + rn[None, :], y,
+             mask=(rm < M)[:, None] & (rn < N)[None, :])
+
+
+@triton.jit
+def _mm_q4k_kernel(x, b, h, out, M, N, K: tl.constexpr, RS: tl.constexpr, OSC: tl.constexpr,
+                   OD: tl.constexpr, OM: tl.constexpr, BLOCK_M: tl.constexpr,
+                   BLOCK_N: tl.constexpr):
+    """Q4_K: per 32 quant bytes, groups 2p (low nibbles) and 2p + 1 (high), one dot each."""
+    rm, rn, xr, rb = _tile(M, N, K, RS, BLOCK_M, BLOCK_N)
     e = tl.arange(0, 32)
     acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
     for blk in range(K // 256):
@@ -89,9 +106,7 @@ def _mm_q4k_kernel(x, b, h, out, M, N, K: tl.constexpr, RS: tl.constexpr, OSC: t
             a_hi = d * sc_hi
             acc += s_lo * a_lo[None, :] - tl.sum(x_lo.to(tl.float32), 1)[:, None] * (a_lo + dmin * m_lo)[None, :]
             acc += s_hi * a_hi[None, :] - tl.sum(x_hi.to(tl.float32), 1)[:, None] * (a_hi + dmin * m_hi)[None, :]
-    y = acc.to(tl.bfloat16).to(out.dtype.element_ty)
-    tl.store(out + rm[:, None].to(tl.int64) * N + rn[None, :], y,
-             mask=(rm < M)[:, None] & (rn < N)[None, :])
+    _store(acc, out, rm, rn, M, N)
 
 
 @triton.jit
@@ -101,10 +116,7 @@ def _mm_q6k_kernel(x, b, h, out, M, N, K: tl.constexpr, RS: tl.constexpr, OH: tl
     """Q6_K: w = d * sc * (q - 32) over groups of 16, q's low nibble in ql and its two high
     bits in qh; with f = 1 + q / 64 (exact in bf16) a group adds 64 d sc * sum(f * x) -
     96 d sc * sum(x)."""
-    rm = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
-    rn = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
-    xr = (tl.where(rm < M, rm, 0).to(tl.int64) * K)[:, None]
-    rb = tl.where(rn < N, rn, 0).to(tl.int64) * RS
+    rm, rn, xr, rb = _tile(M, N, K, RS, BLOCK_M, BLOCK_N)
     t = tl.arange(0, 16)
     acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
     for blk in range(K // 256):
@@ -122,9 +134,7 @@ def _mm_q6k_kernel(x, b, h, out, M, N, K: tl.constexpr, RS: tl.constexpr, OH: tl
             sc = tl.load(b.to(tl.pointer_type(tl.int8), bitcast=True) + rb + OSC + blk * 16 + g).to(tl.float32)
             a = d * sc
             acc += s * (64.0 * a)[None, :] - tl.sum(xg.to(tl.float32), 1)[:, None] * (96.0 * a)[None, :]
-    y = acc.to(tl.bfloat16).to(out.dtype.element_ty)
-    tl.store(out + rm[:, None].to(tl.int64) * N + rn[None, :], y,
-             mask=(rm < M)[:, None] & (rn < N)[None, :])
+    _store(acc, out, rm, rn, M, N)
 
 
 def kq_mm(x: torch.Tensor, blocks: torch.Tensor, qtype: int, out: torch.Tensor,
