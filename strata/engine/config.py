@@ -65,6 +65,7 @@ class EngineConfig:
     expert_policy: str = "lfru"  # which cached expert gives its slot up: lru | lfu | lfru
     expert_uploads: int | None = None  # experts copied into a layer's slots per step at most; the
     # misses past it are computed on the host (None: every miss is copied)
+    expert_prefetch: bool = False  # each cached layer copies in the next one's predicted experts
     chat_template: str | None = None  # Jinja text of --chat-template FILE; None = the model's own
     gpu_layers: int | None = None  # llama-server's -ngl: None or -1 = all; checked once loaded
     spec: int = 0  # drafted tokens a decoding lane may carry into a step (speculative.py); 0 = off
@@ -330,6 +331,10 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
                    help="with --expert-cache: experts copied into a layer's slots per step at most; "
                         "the other misses (those with the fewest tokens) are computed on the host "
                         "meanwhile, with the host's kernels (default: every miss is copied)")
+    e.add_argument("--expert-prefetch", action="store_true", default=d.expert_prefetch,
+                   help="with --expert-cache: each layer predicts the next layer's experts (its "
+                        "router on this layer's input) and copies them in while it computes "
+                        "(default: off until measured; docs/MOE.md)")
     s = parser.add_argument_group("layer split (docs/STAGES.md)")
     s.add_argument("--gpus", type=gpus_arg, default=d.gpus,
                    help="split the model's layers over these devices in this process: GPU numbers "
@@ -504,6 +509,9 @@ def expert_slots(config: EngineConfig) -> str | None:
     if config.experts_on != "host" and config.expert_uploads is not None:
         raise BadRequest("--expert-uploads caps an expert cache's copies: give --expert-cache too",
                          "expert_uploads")
+    if config.experts_on != "host" and config.expert_prefetch:
+        raise BadRequest("--expert-prefetch fills an expert cache's slots: give --expert-cache too",
+                         "expert_prefetch")
     return "auto" if config.experts_on == "host" else None
 
 

@@ -299,7 +299,7 @@ class Engine:
             n = int(slots)
         self.expert_stats = CacheStats()
         install_expert_cache(model, n, self.device, self.expert_stats, self.config.expert_policy,
-                             self.config.expert_uploads)
+                             self.config.expert_uploads, self.config.expert_prefetch)
         log.info("%s", describe_cache(model, self.device))
 
     # ---- public API ---------------------------------------------------------

@@ -18,6 +18,7 @@ decodes without CUDA graphs (docs/MOE.md measures what that costs).
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from contextlib import nullcontext
 from dataclasses import dataclass, field
 
@@ -28,6 +29,8 @@ from strata.errors import BadRequest
 from strata.kv.expert_residency import DEFAULT_POLICY, ExpertUsage, evict_order
 from strata.models.moe import ExpertMath
 
+Route = Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor]]  # x -> (expert ids, weights)
+
 
 @dataclass
 class CacheStats:
@@ -36,6 +39,8 @@ class CacheStats:
     hits: int = 0
     misses: int = 0
     host_computed: int = 0  # misses past the upload cap, computed on the host (part of misses)
+    prefetched: int = 0  # experts copied in ahead of their layer (`--expert-prefetch`)
+    prefetch_used: int = 0  # of those, the ones their layer's routing then took
     bytes_uploaded: int = 0
     token_layers: int = 0  # tokens through each cached layer, summed
     slots: dict[int, int] = field(default_factory=dict)  # layer -> slots
@@ -49,7 +54,8 @@ class CacheStats:
         the model)."""
         tokens = self.token_layers / max(1, len(self.slots))
         return {"hit_rate": self.hit_rate(), "hits": self.hits, "misses": self.misses,
-                "host_computed": self.host_computed, "bytes_uploaded": self.bytes_uploaded,
+                "host_computed": self.host_computed, "prefetched": self.prefetched,
+                "prefetch_used": self.prefetch_used, "bytes_uploaded": self.bytes_uploaded,
                 "bytes_per_token": self.bytes_uploaded / tokens if tokens else 0.0,
                 "slots_per_layer": min(self.slots.values(), default=0), "layers": len(self.slots)}
 
@@ -62,6 +68,8 @@ class ExpertCache(nn.Module):
     `max_uploads`: experts copied in per step at most (None: every miss); the misses past it,
     those with the fewest tokens, are computed on the host from the host tensors, with the
     host's kernels (their rounding, not the device's), while the device computes the rest.
+    `look_ahead`: predict the next sparse layer's experts from this layer's input and copy them
+    into its slots while this layer computes (`prefetch`).
     """
 
     def __init__(self, math: ExpertMath, host: list[torch.Tensor], slots: int, device: torch.device,
@@ -99,6 +107,16 @@ class ExpertCache(nn.Module):
         self.table_host = torch.full((experts,), -1, dtype=torch.int64, pin_memory=pin)
         self.table = torch.full((experts,), -1, dtype=torch.int64, device=device)
         self.trace: list[list[int]] | None = None  # each step's experts, once `record` is called
+        self.ahead: tuple[Route, ExpertCache] | None = None  # `look_ahead`
+        self.fetched: set[int] = set()  # experts `prefetch` copied in for the coming step
+        self.ready: torch.cuda.Event | None = None  # when those copies are done (the copy stream)
+
+    def look_ahead(self, route: Route, cache: ExpertCache) -> None:
+        """Prefetch for the next sparse layer: its router (`route`, x -> (ids, weights)) applied to
+        this layer's input predicts its experts (the residual stream changes little from one
+        layer to the next), read with this layer's routing in one transfer; the predicted
+        experts `cache` lacks are copied in while this layer computes."""
+        self.ahead = (route, cache)
 
     def record(self) -> list[list[int]]:
         """Start keeping the experts of every step from now on (the routing traces the policies
@@ -116,10 +134,15 @@ class ExpertCache(nn.Module):
         return [e for e in self.held if e >= 0]
 
     def forward(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
-        flat = ids.reshape(-1).tolist()  # the one host read of the routing
+        flat, predicted = self._routing(x, ids)
         need = sorted(set(flat))
         if self.trace is not None:
             self.trace.append(need)
+        if self.ready is not None:  # the slots `prefetch` filled are read below
+            torch.cuda.current_stream(x.device).wait_event(self.ready)
+            self.ready = None
+        self.stats.prefetch_used += len(self.fetched.intersection(need))
+        self.fetched = set()
         hits = [e for e in need if self.slot_of[e] >= 0]
         misses = [e for e in need if self.slot_of[e] < 0]
         self.stats.hits += len(hits)
@@ -146,7 +169,33 @@ class ExpertCache(nn.Module):
             y = torch.empty((ids.numel(), x.shape[-1]), dtype=x.dtype, device=x.device)
             self._rounds(x, ids, hits, misses, need, y, launch, start)
         self.usage.record(need)
+        if self.ahead is not None:  # after this layer's own copies, beside its products
+            self.ahead[1].prefetch(predicted)
         return self.math.combine(y, ids, weights)
+
+    def _routing(self, x: torch.Tensor, ids: torch.Tensor) -> tuple[list[int], list[int]]:
+        """This step's routing on the host (its one device-to-host read) and, with `look_ahead`,
+        the next sparse layer's experts as predicted from x, read in the same transfer."""
+        if self.ahead is None:
+            return ids.reshape(-1).tolist(), []
+        guess, _ = self.ahead[0](x)
+        both = torch.cat([ids.reshape(-1), guess.reshape(-1)]).tolist()
+        return both[: ids.numel()], sorted(set(both[ids.numel():]))
+
+    def prefetch(self, experts: list[int]) -> None:
+        """Copy in the predicted `experts` this layer lacks, evicting by the policy as a step
+        would (never one of `experts`), at most what the upload cap and the slots allow; the
+        next forward waits for the copies before it reads a slot. Only what is resident
+        changes, never a product, so the bits stay all-resident's."""
+        held = sum(self.slot_of[e] >= 0 for e in experts)
+        room = self.num_slots - held if self.max_uploads is None else min(self.max_uploads, self.num_slots - held)
+        want = [e for e in experts if self.slot_of[e] < 0][: max(0, room)]
+        if not want:
+            return
+        start = torch.cuda.current_stream(self.table.device).record_event() if self.copies is not None else None
+        self.ready = self._upload(want, set(experts), start, join=False)
+        self.fetched.update(want)
+        self.stats.prefetched += len(want)
 
     def _rounds(self, x: torch.Tensor, ids: torch.Tensor, hits: list[int], misses: list[int],
                 need: list[int], y: torch.Tensor, launch: object, start: torch.cuda.Event | None) -> None:
@@ -180,11 +229,13 @@ class ExpertCache(nn.Module):
         else:
             y[pairs] = out
 
-    def _upload(self, experts: list[int], needed: set[int], after: torch.cuda.Event | None) -> None:
+    def _upload(self, experts: list[int], needed: set[int], after: torch.cuda.Event | None,
+                join: bool = True) -> torch.cuda.Event | None:
         """Copy `experts` into slots that hold nothing or an expert outside `needed`, on the copy
-        stream once the compute stream has passed `after` (the last reads of those slots)."""
+        stream once the compute stream has passed `after` (the last reads of those slots); the
+        compute stream then waits for the copies (join), or the event of their end is returned."""
         if not experts:
-            return
+            return None
         free = [s for s, e in enumerate(self.held) if e < 0]
         victims = evict_order(self.usage, self.resident(), needed, self.policy)
         slots = free + [self.slot_of[e] for e in victims]
@@ -200,9 +251,13 @@ class ExpertCache(nn.Module):
                 for src, dst in zip(self.host_tensors(), self.slot_tensors(), strict=True):
                     dst[s].copy_(src[e], non_blocking=True)
                 self.held[s], self.slot_of[e] = e, s
-        if stream is not None:
-            torch.cuda.current_stream(stream.device).wait_stream(stream)
         self.stats.bytes_uploaded += len(experts) * self.expert_bytes
+        if stream is None:
+            return None
+        if join:
+            torch.cuda.current_stream(stream.device).wait_stream(stream)
+            return None
+        return stream.record_event()
 
     def _compute(self, x: torch.Tensor, ids: torch.Tensor, experts: list[int], y: torch.Tensor,
                  launch: object) -> None:
@@ -232,14 +287,20 @@ def uploads_and_host(misses: list[int], routed: list[int], cap: int | None) -> t
 
 
 def install_expert_cache(model: nn.Module, slots: int, device: torch.device, stats: CacheStats,
-                         policy: str = DEFAULT_POLICY, max_uploads: int | None = None) -> None:
-    """Replace every sparse layer's experts (loaded to the host) by an ExpertCache of `slots`."""
+                         policy: str = DEFAULT_POLICY, max_uploads: int | None = None,
+                         prefetch: bool = False) -> None:
+    """Replace every sparse layer's experts (loaded to the host) by an ExpertCache of `slots`;
+    `prefetch`: each cache predicts and copies in the next cached layer's experts (`look_ahead`)."""
     for i, layer in enumerate(model.layers):
         experts = getattr(layer.mlp, "experts", None)
         if experts is None or isinstance(experts, ExpertCache) or experts.tensors()[0].is_meta:
             continue
         layer.mlp.hold_experts(ExpertCache(experts.math, experts.tensors(), min(slots, experts.num_experts),
                                            device, i, stats, policy, max_uploads))
+    if prefetch:
+        cached = [layer.mlp for layer in model.layers if isinstance(getattr(layer.mlp, "experts", None), ExpertCache)]
+        for mlp, nxt in zip(cached, cached[1:], strict=False):
+            mlp.experts.look_ahead(nxt.route, nxt.experts)
 
 
 def one_expert_bytes(tensors: list[torch.Tensor]) -> int:

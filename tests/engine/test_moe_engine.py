@@ -44,6 +44,10 @@ def test_expert_cache_keeps_the_greedy_tokens(moe_file: str) -> None:
     capped, stats = _run(moe_file, expert_cache="2", expert_uploads=1)  # the rest on the host
     assert capped == resident
     assert stats["expert_cache"]["host_computed"] > 0
+    ahead, stats = _run(moe_file, expert_cache="2", expert_prefetch=True)  # copies ahead of use
+    assert ahead == resident
+    assert stats["expert_cache"]["prefetched"] > 0
+    assert 0 <= stats["expert_cache"]["prefetch_used"] <= stats["expert_cache"]["prefetched"]
 
 
 def test_bad_expert_flags_are_refused_before_the_load(moe_file: str) -> None:
@@ -53,5 +57,7 @@ def test_bad_expert_flags_are_refused_before_the_load(moe_file: str) -> None:
         Engine(EngineConfig(model=moe_file, device="cpu", expert_policy="fifo"))
     with pytest.raises(BadRequest, match="--expert-uploads caps an expert cache's copies"):
         Engine(EngineConfig(model=moe_file, device="cpu", expert_uploads=2))
+    with pytest.raises(BadRequest, match="--expert-prefetch fills an expert cache's slots"):
+        Engine(EngineConfig(model=moe_file, device="cpu", expert_prefetch=True))
     with pytest.raises(BadRequest, match="--expert-uploads must be 0 or more"):
         Engine(EngineConfig(model=moe_file, device="cpu", expert_cache="2", expert_uploads=-1))

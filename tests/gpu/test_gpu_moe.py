@@ -75,6 +75,9 @@ def test_expert_cache_gives_the_resident_bits(files: dict[str, Path], quant: str
         assert cached == resident, slots
         assert eng.expert_stats is not None and eng.runner.graphs is None
         assert eng.expert_stats.misses > 0
+    # copies ahead of use on the copy stream, waited for by an event: the same bits
+    ahead, eng = _run(files[quant], expert_cache="3", expert_prefetch=True)
+    assert ahead == resident and eng.expert_stats.prefetched > 0
 
 
 def test_graphs_equal_eager(files: dict[str, Path]) -> None:

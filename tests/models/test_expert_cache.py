@@ -126,3 +126,55 @@ def test_a_capped_cache_of_packed_blocks_is_refused() -> None:
 
     with pytest.raises(BadRequest, match="--expert-uploads: .*packed"):
         ExpertCache(Packed(), [torch.zeros(4, 2, 2)], 2, torch.device("cpu"), 0, CacheStats(), max_uploads=1)
+
+
+def test_prefetched_experts_are_hits(moe_model) -> None:
+    """Experts copied in ahead (`prefetch`) are resident when their step comes: no misses, the
+    copies counted as prefetched and used; without the prefetch the same step misses (the
+    negative control). The products stay all-resident's."""
+    ref = moe_model.layers[0].mlp
+    x = _steps(4)[1]  # one decode row: k experts
+    ids, _ = ref.route(x)
+    need = sorted(set(ids.view(-1).tolist()))
+    for ahead in (False, True):
+        cached = copy.deepcopy(ref)
+        stats = CacheStats()
+        install_expert_cache(_OneLayer(cached), len(need), torch.device("cpu"), stats)
+        if ahead:
+            cached.experts.prefetch(need + need[:1])  # repeats and all: at most the slots
+            assert stats.prefetched == len(need) and sorted(cached.experts.resident()) == need
+        with torch.inference_mode():
+            assert torch.equal(cached.forward(x), ref.forward(x))
+        assert stats.misses == (0 if ahead else len(need))
+        assert stats.prefetch_used == (len(need) if ahead else 0)
+
+
+def test_prefetch_fills_at_most_the_slots_and_keeps_the_bits(moe_model) -> None:
+    """More predicted experts than slots: as many as fit are copied in, the step's own misses
+    still evict them as needed; a two-layer chain that looks ahead gives all-resident's bits."""
+    ref = moe_model.layers[0].mlp
+    cached = copy.deepcopy(ref)
+    stats = CacheStats()
+    install_expert_cache(_OneLayer(cached), 2, torch.device("cpu"), stats)
+    cached.experts.prefetch([0, 1, 2, 3, 4])
+    assert stats.prefetched == 2 and sorted(cached.experts.resident()) == [0, 1]
+    cached.experts.prefetch([0, 1, 2, 3, 4])  # both of its slots hold predicted experts already
+    assert stats.prefetched == 2
+    with torch.inference_mode():
+        for x in _steps(5):
+            assert torch.equal(cached.forward(x), ref.forward(x))
+
+    class _TwoLayers(torch.nn.Module):
+        def __init__(self, a: SparseMLP, b: SparseMLP) -> None:
+            super().__init__()
+            self.layers = torch.nn.ModuleList([torch.nn.Module(), torch.nn.Module()])
+            self.layers[0].mlp, self.layers[1].mlp = a, b
+
+    a, b = copy.deepcopy(ref), copy.deepcopy(ref)  # the tiny model's one sparse layer, twice
+    stats = CacheStats()
+    install_expert_cache(_TwoLayers(a, b), 2, torch.device("cpu"), stats, prefetch=True)
+    assert a.experts.ahead is not None and b.experts.ahead is None
+    with torch.inference_mode():
+        for x in _steps(6):
+            assert torch.equal(b.forward(a.forward(x)), ref.forward(ref.forward(x)))
+    assert stats.prefetched > 0
