@@ -162,7 +162,7 @@ def _sweep_kq(name: str, x: torch.Tensor, packed: torch.Tensor, qtype: int, kw: 
         configs.append({"config": list(cfg), "us": us, "GBps": raw_bytes / us / 1e3})
     res: dict[str, Any] = {"kq_configs": configs, "kq_best": _best(configs)}
     ref = blocks.block_gemv(x, packed[0], qtype, packed=True, config=(2, 4, 4, 1), **kw).double()
-    new = blocks.block_gemv(x, packed[0], qtype, packed=True, **kw).double()
+    new = kquant_rows.kq_gemv(x, packed[0], qtype, out=out, **args).double()
     res["kq_max_rel_diff"] = float(((new - ref).abs() / ref.abs().clamp_min(1e-3)).max())
     res["kq_bits_equal"] = float((new == ref).double().mean())
     return res

@@ -230,10 +230,12 @@ def test_group_sums(qtype: int, config: tuple[int, int, int] | None) -> None:
     the sweep's grid they give the oracle's products, folds included (as test_one_row and
     test_folds)."""
     x0 = randn(1, 512, dtype=torch.bfloat16, seed=1)
-    assert kquant_rows.takes(x0, qtype, True)
-    assert not kquant_rows.takes(x0, qtype, False) and not kquant_rows.takes(x0, T.Q8_0, True)
-    assert not kquant_rows.takes(x0.float(), qtype, True)
-    assert kquant_rows.takes(x0[:, :256], T.Q4_K, True) and not kquant_rows.takes(x0[:, :256], T.Q6_K, True)
+    assert kquant_rows.computes(x0, qtype, True)
+    assert kquant_rows.takes(x0, qtype, True) == (qtype in kquant_rows.ROUTED)
+    assert not kquant_rows.computes(x0, qtype, False) and not kquant_rows.computes(x0, T.Q8_0, True)
+    assert not kquant_rows.computes(x0.float(), qtype, True)
+    assert kquant_rows.computes(x0[:, :256], T.Q4_K, True)
+    assert not kquant_rows.computes(x0[:, :256], T.Q6_K, True)
 
     def kq(x, b, n, **kw):
         out = torch.empty((1, n), dtype=kw.pop("out_dtype", x.dtype), device=x.device)
@@ -265,10 +267,14 @@ def test_group_sums_catch_a_wrong_scale(qtype: int) -> None:
     # row 0's scale plane, after 4 blocks of the larger planes: block 2, byte 1
     at = (128 if qtype == T.Q4_K else 192) * 4 + (12 if qtype == T.Q4_K else 16) * 2 + 1
     bad[0, at] ^= 0x21
-    good = blocks.block_gemv(x, b, qtype, packed=True)
-    assert_close(good, *reference(x, w))
+    def kq(blk: torch.Tensor) -> torch.Tensor:
+        out = torch.empty((1, 64), dtype=x.dtype, device=x.device)
+        return kquant_rows.kq_gemv(x, blk, qtype, norm_weight=None, eps=EPS, silu=False,
+                                   residual=None, out=out)
+
+    assert_close(kq(b), *reference(x, w))
     with pytest.raises(AssertionError):
-        assert_close(blocks.block_gemv(x, bad, qtype, packed=True), *reference(x, w))
+        assert_close(kq(bad), *reference(x, w))
 
 
 @pytest.mark.parametrize("m", [2, 5, 16, 33, 64])

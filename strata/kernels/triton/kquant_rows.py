@@ -53,8 +53,20 @@ def default_config(n: int, k: int, qtype: int) -> Config:
     return 4 if qtype == T.Q4_K else 2, 1 if k // 64 >= 128 else 2, 2
 
 
+# The types block_gemv sends here. Q6_K's kernel (`_q6k_kernel`) is built and its tests call it
+# directly, but it has not run on a GPU yet: it joins once tests/gpu/test_block_kernels.py passes
+# there (docs/PERFORMANCE.md, "one-row Q4_K products by group sums").
+ROUTED = (T.Q4_K,)
+
+
 def takes(x: torch.Tensor, qtype: int, packed: bool) -> bool:
-    """Whether this kernel computes x [1, K] times packed `qtype` blocks (else block_gemv's)."""
+    """Whether block_gemv computes x [1, K] times packed `qtype` blocks here."""
+    return qtype in ROUTED and computes(x, qtype, packed)
+
+
+def computes(x: torch.Tensor, qtype: int, packed: bool) -> bool:
+    """Whether `kq_gemv` can compute x [1, K] times packed `qtype` blocks: bf16 CUDA rows of
+    whole 64-bit words of blocks (Q6_K's 210-byte blocks: an even number of them)."""
     return (gl is not None and not INTERPRET and x.is_cuda and packed and qtype in (T.Q4_K, T.Q6_K)
             and x.dtype == torch.bfloat16 and x.shape[1] % (256 if qtype == T.Q4_K else 512) == 0)
 
