@@ -37,10 +37,10 @@ from benchmarks.gemv_sweep import EPS, shapes
 try:  # the arguments parse without Triton (a CPU machine); the sweep itself needs it and CUDA
     from benchmarks.gemv_sweep import _time
     from strata.gguf.dequant import dequantize
-    from strata.kernels.triton import blocks, gemv, kquant_mm, kquant_rows
+    from strata.kernels.triton import blocks, gemv, kquant_rows
     from strata.kernels.triton.blocks_decode import TYPES
 except ImportError:
-    blocks = gemv = kquant_mm = kquant_rows = None  # type: ignore[assignment]
+    blocks = gemv = kquant_rows = None  # type: ignore[assignment]
 
 # gemv: (rows a program, values of a part a step (G * E), warps); runs of 8 values a thread,
 # so 1,024 values fill 4 warps and each thread then holds its inputs for all the rows
@@ -54,9 +54,6 @@ MM_GRID = {
     512: [(128, 128, 128, 8, 2), (128, 128, 128, 8, 3), (256, 128, 64, 8, 2)],
 }
 # kquant_rows (Q4_K, Q6_K; bf16): (rows a thread, threads a warp along rows, warps)
-# kquant_mm (Q4_K, bf16, 2-64 rows): (BLOCK_M, BLOCK_N, warps, stages) per `blocks.m_bucket`
-KQ_MM_GRID = {16: [(16, 64, 4, 2), (16, 32, 4, 2), (16, 128, 4, 2), (16, 64, 4, 3)],
-              64: [(64, 64, 8, 2), (64, 32, 4, 2), (32, 64, 4, 2), (64, 32, 4, 3)]}
 KQ_GRID = [(2, 1, 2), (2, 2, 2), (4, 1, 2), (2, 1, 4), (4, 1, 4), (2, 2, 4), (4, 2, 2), (2, 4, 2)]
 _F16_FIELDS = ("d", "m")
 DEV = "cuda"
@@ -185,15 +182,6 @@ def sweep_mm(name: str, n: int, k: int, qtype: int, m: int, gib: float) -> dict[
                  f"{name} {T(qtype).name} M={m} {cfg}")
         configs.append({"config": list(cfg), "us": us, "GBps": raw_bytes / us / 1e3,
                         "TFLOPs": flops / us / 1e6})
-    if kquant_mm.takes(x, qtype, True, False):
-        kq = []
-        out = torch.empty((m, n), dtype=dt, device=dev)
-        for cfg in KQ_MM_GRID[blocks.m_bucket(m)]:
-            us = _us(lambda i: kquant_mm.kq_mm(x, packed[i], qtype, out, config=cfg), copies,
-                     f"{name} kq_mm M={m} {cfg}")
-            kq.append({"config": list(cfg), "us": us, "GBps": raw_bytes / us / 1e3,
-                       "TFLOPs": flops / us / 1e6})
-        row["kq_configs"], row["kq_best"] = kq, _best(kq)
     w0 = dequantize(raw[0].reshape(-1), qtype, (n, k), dt)
     raw = packed = None
     torch.cuda.empty_cache()

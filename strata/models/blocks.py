@@ -167,8 +167,7 @@ class BlockLinear(nn.Module):
 def block_product(x: torch.Tensor, qtype: GGMLQuantizationType, blocks: torch.Tensor, packed: bool,
                   out_dtype: torch.dtype | None, invariant: bool = False) -> torch.Tensor:
     """x [M, K] times one segment's rows, on the blocks' device. `invariant`: a lone CUDA row is
-    the first of two rows of `block_mm`, and every row count takes the kernel whose reduction
-    order is the same at every M."""
+    the first of two rows of `block_mm` (whose reduction order is the same at every M)."""
     if blocks.device.type == "cpu":
         k = cpu_kernel()
         assert k is not None, "block weights on the CPU need the C++ kernels"
@@ -177,10 +176,10 @@ def block_product(x: torch.Tensor, qtype: GGMLQuantizationType, blocks: torch.Te
     assert g is not None, "block weights on CUDA need Triton"
     if x.shape[0] == 1 and invariant:
         return g.block_mm(x.expand(2, -1).contiguous(), blocks, int(qtype), out_dtype=out_dtype,
-                          packed=packed, invariant=True)[:1]
+                          packed=packed)[:1]
     if x.shape[0] == 1:
         return g.block_gemv(x, blocks, int(qtype), out_dtype=out_dtype, packed=packed)
-    return g.block_mm(x, blocks, int(qtype), out_dtype=out_dtype, packed=packed, invariant=invariant)
+    return g.block_mm(x, blocks, int(qtype), out_dtype=out_dtype, packed=packed)
 
 
 class BlockEmbedding(nn.Module):

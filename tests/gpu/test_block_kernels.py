@@ -5,8 +5,7 @@ Blocks come from `gguf.quants.quantize` where it exists (the legacy types) and
 are random bytes with fp16 d and dmin of a sane size otherwise (the K-quants),
 so every bit pattern of quants and sub-scales occurs. The one-row oracle is
 test_gemv's (the unfused ops' rounding, exact products); the many-row one
-rounds the weights to x's dtype first, as the kernels feed them to `tl.dot`, except
-where kquant_mm's group sums take the rows (exact products again).
+rounds the weights to x's dtype first, as the kernels feed them to `tl.dot`.
 """
 
 from __future__ import annotations
@@ -23,7 +22,7 @@ import torch
 from gguf import GGML_QUANT_SIZES
 from gguf import GGMLQuantizationType as T
 
-from strata.kernels.triton import blocks, kquant_mm, kquant_rows
+from strata.kernels.triton import blocks, kquant_rows
 from tests.gpu.test_fused_ops import randn
 from tests.gpu.test_gemv import EPS, assert_close, reference
 
@@ -58,15 +57,6 @@ def mm_reference(x: torch.Tensor, w: torch.Tensor) -> tuple[torch.Tensor, torch.
     """The exact product of x and the weights rounded to x's dtype, rounded once; sum |x| |w|."""
     wd = w.to(x.dtype).double()
     return (x.double() @ wd.T).to(x.dtype), x.double().abs() @ wd.abs().T
-
-
-def mm_oracle(x: torch.Tensor, w: torch.Tensor, qtype: int, packed: bool):
-    """block_mm's oracle: the exact product where kquant_mm's group sums take the rows (they
-    multiply the unrounded weights), else the weights rounded to x's dtype first. Under the
-    interpreter `mm` passes a launch shape, which keeps block_mm's own kernel."""
-    if not INTERPRET and kquant_mm.takes(x, qtype, packed, invariant=False):
-        return reference(x, w)
-    return mm_reference(x, w)
 
 
 def gemv(x: torch.Tensor, b: torch.Tensor, qtype: int, **kw) -> torch.Tensor:
@@ -108,7 +98,7 @@ def test_many_rows(qtype: int, packed: bool) -> None:
         cases += [(5, torch.float16), (5, torch.float32)]
     for m, dtype in cases:
         x = randn(m, 768, dtype=dtype, seed=m, scale=2.0)
-        assert_close(mm(x, b, qtype, packed=packed), *mm_oracle(x, w, qtype, packed))
+        assert_close(mm(x, b, qtype, packed=packed), *mm_reference(x, w))
 
 
 @pytest.mark.skipif(INTERPRET, reason="the 8B shapes are slow under the interpreter")
@@ -118,7 +108,7 @@ def test_many_rows_8b_shapes(qtype: int) -> None:
         b, w = weights(qtype, n, k, seed=n, packed=True)
         for m in (16, 64, 512):
             x = randn(m, k, dtype=torch.bfloat16, seed=m)
-            assert_close(blocks.block_mm(x, b, qtype, packed=True), *mm_oracle(x, w, qtype, True))
+            assert_close(blocks.block_mm(x, b, qtype, packed=True), *mm_reference(x, w))
 
 
 FOLD_CASES = [(T.Q4_K, dt) for dt in DTYPES] + [(t, torch.bfloat16) for t in (T.Q6_K, T.Q8_0, T.Q4_1)]
@@ -226,9 +216,9 @@ KQ_TYPES = [T.Q4_K, T.Q6_K]
 @pytest.mark.parametrize("config", KQ_CONFIGS, ids=str)
 @pytest.mark.parametrize("qtype", KQ_TYPES, ids=["Q4_K", "Q6_K"])
 def test_group_sums(qtype: int, config: tuple[int, int, int] | None) -> None:
-    """bf16 rows of packed Q4_K and Q6_K take kquant_rows' kernels; under every launch shape of
-    the sweep's grid they give the oracle's products, folds included (as test_one_row and
-    test_folds)."""
+    """kquant_rows' kernels on bf16 rows of packed Q4_K and Q6_K (block_gemv sends it the types
+    of `ROUTED`): under every launch shape of the sweep's grid they give the oracle's products,
+    folds included (as test_one_row and test_folds)."""
     x0 = randn(1, 512, dtype=torch.bfloat16, seed=1)
     assert kquant_rows.computes(x0, qtype, True)
     assert kquant_rows.takes(x0, qtype, True) == (qtype in kquant_rows.ROUTED)
@@ -275,30 +265,3 @@ def test_group_sums_catch_a_wrong_scale(qtype: int) -> None:
     assert_close(kq(b), *reference(x, w))
     with pytest.raises(AssertionError):
         assert_close(kq(bad), *reference(x, w))
-
-
-@pytest.mark.parametrize("m", [2, 5, 16, 33, 64])
-@pytest.mark.parametrize("qtype", KQ_TYPES, ids=["Q4_K", "Q6_K"])
-def test_group_sums_many_rows(qtype: int, m: int) -> None:
-    """2-64 bf16 rows of packed Q4_K or Q6_K take kquant_mm's group sums: the exact product of
-    the unrounded weights (test_gemv's oracle), not of the weights rounded to bf16 first."""
-    n, k = (37, 768) if INTERPRET or m != 16 else (6144, 4096)
-    b, w = weights(qtype, n, k, seed=50 + m, packed=True)
-    x = randn(m, k, dtype=torch.bfloat16, seed=60 + m, scale=2.0)
-    assert kquant_mm.takes(x, qtype, True, False)
-    assert not kquant_mm.takes(x, qtype, True, True)  # --batch-invariant: block_mm's order
-    assert not kquant_mm.takes(x, qtype, False, False) and not kquant_mm.takes(x, T.Q8_0, True, False)
-    assert not kquant_mm.takes(x.half(), qtype, True, False)
-    assert not kquant_mm.takes(randn(65, k, dtype=torch.bfloat16, seed=1), qtype, True, False)
-    got = blocks.block_mm(x, b, qtype, packed=True)
-    assert_close(got, *reference(x, w))
-    logits = blocks.block_mm(x, b, qtype, torch.float32, packed=True)
-    assert logits.dtype == torch.float32 and torch.equal(logits, got.float())
-    # the invariant order is block_mm's own: its weights rounded to bf16 first
-    assert_close(blocks.block_mm(x, b, qtype, packed=True, invariant=True), *mm_reference(x, w))
-    if m == 5:  # the negative control: a sub-scale byte changed is caught
-        bad = b.clone()
-        planes = 128 * (k // 256) if qtype == T.Q4_K else 192 * (k // 256)
-        bad[3, planes + 2] ^= 0x21
-        with pytest.raises(AssertionError):
-            assert_close(blocks.block_mm(x, bad, qtype, packed=True), *reference(x, w))

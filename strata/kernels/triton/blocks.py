@@ -28,7 +28,7 @@ import torch
 import triton
 import triton.language as tl
 
-from strata.kernels.triton import kquant_mm, kquant_rows
+from strata.kernels.triton import kquant_rows
 from strata.kernels.triton.blocks_decode import (
     SUPPORTED,
     TYPES,
@@ -301,21 +301,15 @@ def block_mm(
     *,
     packed: bool = False,
     config: MmConfig | None = None,
-    invariant: bool = False,
 ) -> torch.Tensor:
     """[M, K] x W[N, K]^T -> [M, N] for M >= 2, W in GGUF blocks as in `block_gemv`.
 
     The weights are rounded once to x's dtype (fp32 x: products in IEEE fp32), the sums run
-    in float32 and are rounded to x's dtype, then stored in out_dtype. Without a config, 2-64
-    bf16 rows of packed Q4_K take `kquant_mm`'s group sums (exact products of the unrounded
-    weights) unless `invariant` asks for the one reduction order of every row count.
+    in float32 and are rounded to x's dtype, then stored in out_dtype.
     """
     nb = _check(x, blocks, qtype, "block_mm", one_row=False)
     m, k = x.shape
     n = blocks.shape[0]
-    if config is None and kquant_mm.takes(x, qtype, packed, invariant):
-        out = torch.empty((m, n), dtype=out_dtype or x.dtype, device=x.device)
-        return kquant_mm.kq_mm(x, blocks, qtype, out)
     bm, bn, per, warps, stages = config or default_mm_config(m, n, k, qtype)
     if config is None and x.dtype == torch.float32:
         stages = 1  # float32 tiles take twice the shared memory
