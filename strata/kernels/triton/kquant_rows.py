@@ -1,9 +1,11 @@
-"""One-row products of packed Q4_K blocks by group sums, in Gluon (a one-lane decode step).
+"""One-row products of packed Q4_K (and Q6_K) blocks by group sums, in Gluon (one-lane decode).
 
 `blocks.block_gemv` decodes every weight to its float32 value and multiplies
 it: about 14 instructions a weight, so a Q4_K row is read at a fifth of the
-copy bandwidth. Here a weight costs three: within a scale group of 32 values
-ggml's weight is `a * q - b` (a = d * sc, b = dmin * m), so
+copy bandwidth. Here a weight costs three instructions, plus its share of the
+group's scales and of the inputs (about five in all, by the compiled code):
+within a scale group of 32 values ggml's weight is `a * q - b` (a = d * sc,
+b = dmin * m), so
 
     sum(w * x) = a * sum(q * x) - b * sum(x)
 
@@ -20,7 +22,8 @@ Gluon (Triton's explicit-layout dialect) fixes what each thread holds: one
 and the 64 matching bf16 inputs as 64-bit words, so the inputs are converted
 once for all the rows a thread owns and the quants load as 16-byte vectors.
 Inputs must be bf16 and the blocks packed (`blocks_decode.pack`); anything
-else takes `blocks.block_gemv`'s kernel (`takes`).
+else takes `blocks.block_gemv`'s kernel (`takes`). Q6_K (`_q6k_kernel`) is
+the same with `1 + q / 64` over groups of 16.
 """
 
 from __future__ import annotations
@@ -34,8 +37,8 @@ try:  # Gluon ships with Triton 3.5+; without it every row takes blocks.block_ge
 except ImportError:  # pragma: no cover - depends on the installed Triton
     gluon = gl = None
 
-from strata.kernels.triton.blocks_decode import layout
 from strata.kernels.triton import fused
+from strata.kernels.triton.blocks_decode import layout
 from strata.kernels.triton.gemv import INTERPRET, pdl_on
 
 Config = tuple[int, int, int]  # (rows a thread, threads a warp along rows, warps)
