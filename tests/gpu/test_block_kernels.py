@@ -265,3 +265,20 @@ def test_group_sums_catch_a_wrong_scale(qtype: int) -> None:
     assert_close(kq(b), *reference(x, w))
     with pytest.raises(AssertionError):
         assert_close(kq(bad), *reference(x, w))
+
+
+def test_a_kernel_that_does_not_compile_falls_back(monkeypatch: pytest.MonkeyPatch,
+                                                    caplog: pytest.LogCaptureFixture) -> None:
+    """Another Triton's Gluon failing to compile kquant_rows' kernel is said once, in one line
+    naming the type, and the type's rows go to block_gemv's own kernel from then on."""
+    monkeypatch.setattr(kquant_rows, "_FAILED", set())
+    assert T.Q4_K in kquant_rows.ROUTED
+    with caplog.at_level("WARNING", logger=kquant_rows.log.name):
+        kquant_rows.fall_back(T.Q4_K, ValueError("unknown layout\nat line 3"))
+        kquant_rows.fall_back(T.Q4_K, ValueError("again"))
+    said = [r.getMessage() for r in caplog.records]
+    assert len(said) == 1 and "Q4_K" in said[0] and "unknown layout" in said[0] and "line 3" not in said[0]
+    x = randn(1, 512, dtype=torch.bfloat16, seed=1).to(DEV)
+    assert not kquant_rows.takes(x, T.Q4_K, True)
+    b, w = weights(T.Q4_K, 8, 512, seed=3, packed=True)
+    assert_close(gemv(x, b, T.Q4_K, packed=True), *reference(x, w))  # block_gemv's kernel

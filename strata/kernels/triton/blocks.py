@@ -279,8 +279,11 @@ def block_gemv(
                          f"for {n} outputs of {x.dtype}")
     out = torch.empty((1, n), dtype=out_dtype or x.dtype, device=x.device)
     if config is None and kquant_rows.takes(x, qtype, packed):
-        return kquant_rows.kq_gemv(x, blocks, qtype, norm_weight=norm_weight, eps=eps, silu=silu,
-                                   residual=residual, out=out)
+        try:
+            return kquant_rows.kq_gemv(x, blocks, qtype, norm_weight=norm_weight, eps=eps, silu=silu,
+                                       residual=residual, out=out)
+        except triton.CompilationError as e:  # another Triton's Gluon: this kernel instead
+            kquant_rows.fall_back(qtype, e)
     bn, per, warps, stages = config or default_gemv_config(n, k, qtype, silu)
     pdl = x.is_cuda and pdl_on(x.device.index if x.device.index is not None else 0)
     _gemv_kernel[(triton.cdiv(n, bn),)](

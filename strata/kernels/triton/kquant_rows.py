@@ -28,7 +28,10 @@ the same with `1 + q / 64` over groups of 16.
 
 from __future__ import annotations
 
+import logging
+
 import torch
+import triton
 from gguf import GGMLQuantizationType as T
 
 try:  # Gluon ships with Triton 3.5+; without it every row takes blocks.block_gemv
@@ -41,6 +44,7 @@ from strata.kernels.triton import fused
 from strata.kernels.triton.blocks_decode import layout
 from strata.kernels.triton.gemv import INTERPRET, pdl_on
 
+log = logging.getLogger(__name__)
 Config = tuple[int, int, int]  # (rows a thread, threads a warp along rows, warps)
 # (N, K, qtype) -> Config; N counts gate rows only for gate/up. From `benchmarks.block_sweep`.
 CONFIGS: dict[tuple[int, int, int], Config] = {}
@@ -62,9 +66,22 @@ def default_config(n: int, k: int, qtype: int) -> Config:
 ROUTED = (T.Q4_K,)
 
 
+_FAILED: set[int] = set()  # types whose kernel this Triton could not compile (`fall_back`)
+
+
 def takes(x: torch.Tensor, qtype: int, packed: bool) -> bool:
     """Whether block_gemv computes x [1, K] times packed `qtype` blocks here."""
-    return qtype in ROUTED and computes(x, qtype, packed)
+    return qtype in ROUTED and qtype not in _FAILED and computes(x, qtype, packed)
+
+
+def fall_back(qtype: int, error: Exception) -> None:
+    """A Triton whose Gluon differs from the one these kernels are written for fails to compile
+    them: say so once, and leave `qtype` on block_gemv's kernel from now on."""
+    if qtype not in _FAILED:
+        _FAILED.add(qtype)
+        log.warning("the group-sum kernel for %s blocks did not compile with Triton %s (%s); "
+                    "one-row products of them take the decode-then-multiply kernel",
+                    T(qtype).name, triton.__version__, str(error).splitlines()[0][:200])
 
 
 def computes(x: torch.Tensor, qtype: int, packed: bool) -> bool:
