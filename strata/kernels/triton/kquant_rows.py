@@ -1,9 +1,10 @@
 """One-row products of packed Q4_K (and Q6_K) blocks by group sums, in Gluon (one-lane decode).
 
 `blocks.block_gemv` decodes every weight to its float32 value and multiplies
-it: about 14 instructions a weight, so a Q4_K row is read at a fifth of the
-copy bandwidth. Here a weight costs three instructions, plus its share of the
-group's scales and of the inputs (about five in all, by the compiled code):
+it: 8-26 instructions a weight by the compiled code (`tools/kernel_sass.py`),
+so a Q4_K row is read at a fifth of the copy bandwidth. Here a weight costs
+three instructions, plus its share of the group's scales and of the inputs
+(about five in all):
 within a scale group of 32 values ggml's weight is `a * q - b` (a = d * sc,
 b = dmin * m), so
 
