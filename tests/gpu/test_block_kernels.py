@@ -226,6 +226,7 @@ def test_group_sums(qtype: int, config: tuple[int, int, int] | None) -> None:
     assert not kquant_rows.computes(x0.float(), qtype, True)
     assert kquant_rows.computes(x0[:, :256], T.Q4_K, True)
     assert not kquant_rows.computes(x0[:, :256], T.Q6_K, True)
+    assert not kquant_rows.computes(randn(1, 520, dtype=torch.bfloat16, seed=1)[:, 4:516], qtype, True)
 
     def kq(x, b, n, **kw):
         out = torch.empty((1, n), dtype=kw.pop("out_dtype", x.dtype), device=x.device)

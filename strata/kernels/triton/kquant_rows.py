@@ -87,9 +87,11 @@ def fall_back(qtype: int, error: Exception) -> None:
 
 def computes(x: torch.Tensor, qtype: int, packed: bool) -> bool:
     """Whether `kq_gemv` can compute x [1, K] times packed `qtype` blocks: bf16 CUDA rows of
-    whole 64-bit words of blocks (Q6_K's 210-byte blocks: an even number of them)."""
+    whole 64-bit words of blocks (Q6_K's 210-byte blocks: an even number of them), the row
+    starting on 16 bytes (it is read as 64-bit words)."""
     return (gl is not None and not INTERPRET and x.is_cuda and packed and qtype in (T.Q4_K, T.Q6_K)
-            and x.dtype == torch.bfloat16 and x.shape[1] % (256 if qtype == T.Q4_K else 512) == 0)
+            and x.dtype == torch.bfloat16 and x.shape[1] % (256 if qtype == T.Q4_K else 512) == 0
+            and x.data_ptr() % 16 == 0)
 
 
 if gl is not None:
