@@ -1,4 +1,4 @@
-"""What a one-row block kernel compiles to on sm_90, without a GPU (JSON).
+"""What a block kernel compiles to on sm_90, without a GPU (JSON).
 
 The device is scarce; the compiled code is not. Triton's wheel ships ptxas,
 cuobjdump and nvdisasm, so a kernel can be compiled for Hopper on any
@@ -10,6 +10,7 @@ for `kernels/triton/kquant_rows.py`).
 
     python -m tools.kernel_sass --qtype Q4_K --rows 4096 --cols 14336 --residual
     python -m tools.kernel_sass --kernel decode --qtype Q4_K --rows 14336 --cols 4096 --silu
+    python -m tools.kernel_sass --kernel mm --m 16 --qtype Q6_K --rows 28672 --cols 4096
 """
 
 from __future__ import annotations
@@ -141,10 +142,29 @@ def block_rows(kernel: str, qtype: int, rows: int, cols: int, silu: bool, residu
             "residual": residual, **shape, **report(compiled, per_thread)}
 
 
+def block_mm(qtype: int, m: int, rows: int, cols: int, config: tuple[int, ...] | None) -> dict[str, Any]:
+    """`blocks._mm_kernel` for M rows of bf16 input, as block_mm would launch it for packed blocks;
+    per weight: the instructions of its loop over the weights a thread decodes there."""
+    from strata.kernels.triton import blocks
+    from strata.kernels.triton.blocks_decode import TYPES
+
+    nb = cols // TYPES[qtype].block
+    bm, bn, per, warps, _ = config or blocks.default_mm_config(m, rows, cols, qtype)
+    consts = dict(K=cols, **blocks._type_args(qtype, nb, True), BLOCK_M=bm, BLOCK_N=bn,
+                  G=per * TYPES[qtype].groups, PRECISION="tf32")
+    sig = {"x": "*bf16", "b": "*u8", "h": "*fp16", "out": "*bf16", "M": "i32", "N": "i32"}
+    compiled = compile_sm90(blocks._mm_kernel, sig, consts, warps, gluon=False)
+    per_thread = bn * per * TYPES[qtype].block // (32 * warps)
+    return {"kernel": "mm", "type": T(qtype).name, "m": m, "rows": rows, "cols": cols, "block_m": bm,
+            "block_n": bn, "blocks_a_step": per, "warps": warps, **report(compiled, per_thread)}
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--kernel", choices=["group", "decode"], default="group",
-                   help="group: kquant_rows' group sums; decode: blocks._gemv_kernel")
+    p.add_argument("--kernel", choices=["group", "decode", "mm"], default="group",
+                   help="group: kquant_rows' group sums; decode: blocks._gemv_kernel; mm: "
+                        "blocks._mm_kernel for --m rows")
+    p.add_argument("--m", type=int, default=16, help="input rows of --kernel mm")
     p.add_argument("--qtype", default="Q4_K")
     p.add_argument("--rows", type=int, default=4096, help="weight rows (gate and up together with --silu)")
     p.add_argument("--cols", type=int, default=4096)
@@ -153,7 +173,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--config", default="", help="comma-separated launch shape (the kernel's Config)")
     a = p.parse_args(argv)
     config = tuple(int(v) for v in a.config.split(",")) if a.config else None
-    print(json.dumps(block_rows(a.kernel, int(T[a.qtype]), a.rows, a.cols, a.silu, a.residual, config)))
+    qtype = int(T[a.qtype])
+    if a.kernel == "mm":
+        print(json.dumps(block_mm(qtype, a.m, a.rows, a.cols, config)))
+    else:
+        print(json.dumps(block_rows(a.kernel, qtype, a.rows, a.cols, a.silu, a.residual, config)))
     return 0
 
 
