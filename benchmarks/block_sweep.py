@@ -12,7 +12,8 @@ each block type it times:
 Each timing replays a CUDA graph over enough copies of the weights (2 GiB)
 that none is in L2 (`gemv_sweep._time`). GB/s counts the bytes of the blocks
 read (the file's bytes), TFLOP/s 2 M N K. The output ends with the best
-configs as `GEMV_CONFIGS` / `MM_CONFIGS` entries. Results are written after
+configs as `GEMV_CONFIGS` / `MM_CONFIGS` entries, and `kquant_rows.CONFIGS` ones
+(`KQ_CONFIGS`) for its group-sum kernel. Results are written after
 every matrix, so a run cut short keeps what it measured. The candidates are
 compiled first in `--workers` processes (about 200 kernels for the default
 set); the timings then run in this one.
@@ -256,6 +257,7 @@ def sweep(types: list[int], ms: list[int], only: str, gib: float, out: str | Non
     res: dict[str, Any] = {"gemv": [], "mm": []}
     gemv_cfgs: dict[str, list[int]] = {}
     mm_cfgs: dict[str, list[int]] = {}
+    kq_cfgs: dict[str, list[int]] = {}
     for name, (n, k, ops) in mats.items():
         for qtype in types:
             tname = T(qtype).name
@@ -268,11 +270,14 @@ def sweep(types: list[int], ms: list[int], only: str, gib: float, out: str | Non
                       file=sys.stderr, flush=True)
             r = sweep_gemv(name, n, k, ops, qtype, gib)
             res["gemv"].append(r)
+            key = f"({n // (2 if 'silu' in ops else 1)}, {k}, T.{tname})"
             if r["best"]:
-                gemv_cfgs[f"({n // (2 if 'silu' in ops else 1)}, {k}, T.{tname})"] = r["best"]["config"]
+                gemv_cfgs[key] = r["best"]["config"]
+            if r.get("kq_best"):
+                kq_cfgs[key] = r["kq_best"]["config"]
             print(json.dumps({key: v for key, v in r.items() if key != "configs"}), file=sys.stderr,
                   flush=True)
-            res["GEMV_CONFIGS"], res["MM_CONFIGS"] = gemv_cfgs, mm_cfgs
+            res["GEMV_CONFIGS"], res["MM_CONFIGS"], res["KQ_CONFIGS"] = gemv_cfgs, mm_cfgs, kq_cfgs
             if out:
                 with open(out, "w") as f:
                     f.write(json.dumps(res, indent=1) + "\n")
@@ -297,7 +302,7 @@ def main(argv: list[str] | None = None) -> int:
     types = [int(T[t]) for t in a.types.split(",")]
     res = sweep(types, [int(m) for m in a.m.split(",")], a.only, a.gib, a.out, a.hidden,
                 a.intermediate, a.qkv, a.vocab, a.workers)
-    print(json.dumps({"GEMV_CONFIGS": res["GEMV_CONFIGS"], "MM_CONFIGS": res["MM_CONFIGS"]}))
+    print(json.dumps({key: res[key] for key in ("GEMV_CONFIGS", "MM_CONFIGS", "KQ_CONFIGS")}))
     return 0
 
 
