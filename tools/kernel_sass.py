@@ -8,7 +8,8 @@ instructions per weight bounds the speed where the memory does not, so two
 variants can be compared before a device run (docs/PERFORMANCE.md used it
 for `kernels/triton/kquant_rows.py`).
 
-    python -m tools.kernel_sass --qtype Q4_K --rows 4096 --cols 14336 --residual
+    pip install --target /tmp/tri triton==3.6.0   # a CPU machine: Triton only for this
+    PYTHONPATH=/tmp/tri:$PWD python -m tools.kernel_sass --qtype Q4_K --rows 4096 --cols 14336 --residual
     python -m tools.kernel_sass --kernel decode --qtype Q4_K --rows 14336 --cols 4096 --silu
     python -m tools.kernel_sass --kernel mm --m 16 --qtype Q6_K --rows 28672 --cols 4096
 """
