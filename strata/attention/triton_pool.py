@@ -45,7 +45,7 @@ def batch_parts(cells: StepCells, keys: torch.Tensor) -> list[torch.Tensor]:
     dec = cells.decode
     pre = ~dec
     blk_seq, blk_m0 = query_blocks(cells.ns[pre].tolist())
-    q_rows, sessions, lengths = decode_rows(cells.rows[dec], keys[dec], cells.starts[dec], cells.ns[dec])
+    q_rows, sessions, lengths = decode_rows(cells, keys)
     return [
         q_rows, sessions, lengths,
         torch.tensor(blk_seq, dtype=torch.int64), torch.tensor(blk_m0, dtype=torch.int64),

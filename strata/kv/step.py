@@ -106,16 +106,12 @@ def step_cells(pool: KvPool, seqs: list[SeqSpec]) -> StepCells:
                      t(drafted))
 
 
-def decode_rows(rows: torch.Tensor, keys: torch.Tensor, starts: torch.Tensor,
-                ns: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def decode_rows(cells: StepCells, keys: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """One decode query per token of the decode sequences (a drafted run's n tokens are n
     queries, each over the cells up to its own position, as the decode graphs read them):
-    their rows, table keys and lengths."""
-    if bool((ns == 1).all()):
-        return rows, keys, starts + 1
-    within = torch.arange(int(ns.sum())) - torch.repeat_interleave(torch.cumsum(ns, 0) - ns, ns)
-    return (torch.repeat_interleave(rows, ns) + within, torch.repeat_interleave(keys, ns),
-            torch.repeat_interleave(starts, ns) + within + 1)
+    their rows, table keys (`keys` [S]: per sequence) and lengths."""
+    rows = torch.nonzero(cells.decode[cells.token_seq]).view(-1)
+    return rows, keys[cells.token_seq[rows]], cells.positions[rows] + 1
 
 
 def key_cells(pool: KvPool, lanes: torch.Tensor, length: int) -> torch.Tensor:

@@ -94,8 +94,10 @@ def test_decode_rows_of_a_drafted_run_reach_their_own_positions() -> None:
 
     from strata.kv.step import decode_rows
 
-    rows, keys, lengths = decode_rows(torch.tensor([0, 1, 4]), torch.tensor([5, 6, 7]),
-                                      torch.tensor([9, 3, 20]), torch.tensor([1, 3, 2]))
-    assert rows.tolist() == [0, 1, 2, 3, 4, 5]
+    seqs = [SeqSpec(0, 9, 1), SeqSpec(1, 3, 3, drafted=True), SeqSpec(2, 0, 2, prompt=True),
+            SeqSpec(3, 20, 2, drafted=True)]
+    cells = step_cells(KvPool(make_format("bf16", 1, 4), 1, 4, 40, CHUNK, 64), seqs)
+    rows, keys, lengths = decode_rows(cells, torch.tensor([5, 6, 8, 7]))
+    assert rows.tolist() == [0, 1, 2, 3, 6, 7]  # the prompt piece's rows 4-5 are not decode rows
     assert keys.tolist() == [5, 6, 6, 6, 7, 7]
     assert lengths.tolist() == [10, 4, 5, 6, 21, 22]
