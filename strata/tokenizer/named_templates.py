@@ -15,29 +15,31 @@ from __future__ import annotations
 _BOS = "{%- if add_bos_token and bos_token %}{{ bos_token }}{% endif -%}\n"
 
 
+_LOOP = "{%- for m in messages -%}{%- set c = m['content'] -%}{%- set role = m['role'] -%}"
+
+
+def _template(each: str, generation: str | None, prefix: str = "") -> str:
+    """BOS, `prefix` (a Jinja statement), `each` inside the loop over the messages (with `c`,
+    the content, and `role` set), then `generation` when a generation prompt is asked for."""
+    body = prefix + _LOOP + each + "{%- endfor -%}"
+    if generation is not None:
+        body += f"{{%- if add_generation_prompt -%}}{{{{- {generation} -}}}}{{%- endif -%}}"
+    return _BOS + body
+
+
 def _per_role(parts: dict[str, str], generation: str | None, other: str | None = None) -> str:
-    """A template writing each message as `parts[role]` (Jinja expressions over `c`, the
-    content, and `role`), messages of other roles as `other` (None: left out), and
-    `generation` after them when asked for."""
-    body = "{%- for m in messages -%}{%- set c = m['content'] -%}{%- set role = m['role'] -%}"
-    first = True
-    for role, expr in parts.items():
-        body += ("{%- if" if first else "{%- elif") + f" role == '{role}' -%}}{{{{- {expr} -}}}}"
-        first = False
+    """A template writing each message as `parts[role]` (Jinja expressions over `c` and `role`),
+    messages of other roles as `other` (None: left out), and `generation` after them."""
+    each = "".join(("{%- if" if i == 0 else "{%- elif") + f" role == '{role}' -%}}{{{{- {expr} -}}}}"
+                   for i, (role, expr) in enumerate(parts.items()))
     if other is not None:
-        body += f"{{%- else -%}}{{{{- {other} -}}}}"
-    body += "{%- endif -%}{%- endfor -%}"
-    if generation is not None:
-        body += f"{{%- if add_generation_prompt -%}}{{{{- {generation} -}}}}{{%- endif -%}}"
-    return _BOS + body
+        each += f"{{%- else -%}}{{{{- {other} -}}}}"
+    return _template(each + "{%- endif -%}", generation)
 
 
-def _every_role(expr: str, generation: str | None) -> str:
-    body = ("{%- for m in messages -%}{%- set c = m['content'] -%}{%- set role = m['role'] -%}"
-            f"{{{{- {expr} -}}}}{{%- endfor -%}}")
-    if generation is not None:
-        body += f"{{%- if add_generation_prompt -%}}{{{{- {generation} -}}}}{{%- endif -%}}"
-    return _BOS + body
+def _every_role(expr: str, generation: str | None, prefix: str = "") -> str:
+    """A template writing every message as `expr`, after `prefix`."""
+    return _template(f"{{{{- {expr} -}}}}", generation, prefix)
 
 
 def _llama2(system: bool, bos_inside: bool, strip: bool) -> str:
@@ -82,9 +84,7 @@ def _gemma() -> str:
 
 
 def _monarch() -> str:
-    return _BOS + (
-        "{%- for m in messages -%}{{- ('' if loop.first else '<s>') + m['role'] + '\\n' + m['content'] + '</s>\\n' -}}"
-        "{%- endfor -%}{%- if add_generation_prompt -%}{{- '<s>assistant\\n' -}}{%- endif -%}")
+    return _every_role("('' if loop.first else '<s>') + role + '\\n' + c + '</s>\\n'", "'<s>assistant\\n'")
 
 
 def _vicuna(orca: bool) -> str:
@@ -127,7 +127,7 @@ NAMED: dict[str, str] = {
     "command-r": _per_role({"system": _CMD_R.format("SYSTEM_TOKEN"), "user": _CMD_R.format("USER_TOKEN"),
                             "assistant": _CMD_R.format("CHATBOT_TOKEN")},
                            "'<|START_OF_TURN_TOKEN|><|CHATBOT_TOKEN|>'"),
-    "chatglm4": _BOS + "{{- '[gMASK]<sop>' -}}" + _every_role("'<|' + role + '|>\\n' + c", "'<|assistant|>\\n'")[len(_BOS):],
+    "chatglm4": _every_role("'<|' + role + '|>\\n' + c", "'<|assistant|>\\n'", prefix="{{- '[gMASK]<sop>' -}}"),
     "exaone3": _per_role({"system": "'[|system|]' + (c | trim) + '[|endofturn|]\\n'",
                           "user": "'[|user|]' + (c | trim) + '\\n'",
                           "assistant": "'[|assistant|]' + (c | trim) + '[|endofturn|]\\n'"}, "'[|assistant|]'"),
