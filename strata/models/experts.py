@@ -18,6 +18,7 @@ decodes without CUDA graphs (docs/MOE.md measures what that costs).
 
 from __future__ import annotations
 
+from collections import Counter
 from collections.abc import Callable
 from contextlib import nullcontext
 from dataclasses import dataclass, field
@@ -278,10 +279,7 @@ def uploads_and_host(misses: list[int], routed: list[int], cap: int | None) -> t
     list in expert order. No cap: every miss is copied."""
     if cap is None or len(misses) <= cap:
         return misses, []
-    count = {e: 0 for e in misses}
-    for e in routed:
-        if e in count:
-            count[e] += 1
+    count = Counter(routed)
     up = set(sorted(misses, key=lambda e: (-count[e], e))[:cap])
     return [e for e in misses if e in up], [e for e in misses if e not in up]
 
