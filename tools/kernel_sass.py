@@ -116,17 +116,15 @@ def block_rows(kernel: str, qtype: int, rows: int, cols: int, silu: bool, residu
     """`kquant_rows`' group-sum kernel (kernel="group") or `blocks._gemv_kernel` (kernel=
     "decode") for one matrix, as block_gemv would launch it for packed blocks."""
     from strata.kernels.triton import blocks, kquant_rows
-    from strata.kernels.triton.blocks_decode import TYPES, layout
+    from strata.kernels.triton.blocks_decode import TYPES
 
     n = rows // 2 if silu else rows
     nb = cols // TYPES[qtype].block
     sig = {"x": "*bf16", "b": "*u8", "h": "*fp16", "out": "*bf16", "res": "*bf16"}
     if kernel == "group":
         rpt, tr, warps = config or kquant_rows.default_config(n, cols, qtype)
-        lay = dict(zip(("OQ", "SQ", "OH", "SH", "OSC", "SSC", "OD", "SD", "OM", "SM"), layout(qtype, nb, True)))
-        keys = ("OSC", "OD", "OM") if qtype == T.Q4_K else ("OH", "OSC", "OD")
-        consts = dict(K=cols, **{k: lay[k] for k in keys}, RPT=rpt, TR=tr, WARPS=warps, SILU=silu,
-                      RESIDUAL=residual, PDL=True)
+        consts = dict(K=cols, **kquant_rows.plane_offsets(qtype, cols), RPT=rpt, TR=tr, WARPS=warps,
+                      SILU=silu, RESIDUAL=residual, PDL=True)
         compiled = compile_sm90(kquant_rows.KERNELS[qtype], {**sig, "N": "i32"}, consts, warps, gluon=True)
         per_thread = rpt * 64
         shape = {"rows_a_thread": rpt, "threads_along_rows": tr, "warps": warps}

@@ -29,6 +29,7 @@ the same with `1 + q / 64` over groups of 16.
 
 from __future__ import annotations
 
+import functools
 import logging
 
 import torch
@@ -318,6 +319,13 @@ if gl is not None:
     KERNELS = {int(T.Q4_K): _q4k_kernel, int(T.Q6_K): _q6k_kernel}
 
 
+@functools.cache
+def plane_offsets(qtype: int, k: int) -> dict[str, int]:
+    """The kernel's plane offsets for packed rows of k values (`blocks_decode.layout`)."""
+    lay = dict(zip(("OQ", "SQ", "OH", "SH", "OSC", "SSC", "OD", "SD", "OM", "SM"), layout(qtype, k // 256, True)))
+    return {key: lay[key] for key in (("OSC", "OD", "OM") if qtype == T.Q4_K else ("OH", "OSC", "OD"))}
+
+
 def kq_gemv(x: torch.Tensor, blocks: torch.Tensor, qtype: int, *, norm_weight: torch.Tensor | None,
             eps: float, silu: bool, residual: torch.Tensor | None, out: torch.Tensor,
             config: Config | None = None) -> torch.Tensor:
@@ -331,9 +339,7 @@ def kq_gemv(x: torch.Tensor, blocks: torch.Tensor, qtype: int, *, norm_weight: t
     rpt, tr, warps = config or default_config(n, k, qtype)
     if silu and rpt % 2:
         raise ValueError(f"kq_gemv: silu pairs a gate and an up row in one thread, not {rpt} rows")
-    lay = dict(zip(("OQ", "SQ", "OH", "SH", "OSC", "SSC", "OD", "SD", "OM", "SM"),
-                   layout(qtype, k // 256, True)))
-    offsets = {key: lay[key] for key in (("OSC", "OD", "OM") if qtype == T.Q4_K else ("OH", "OSC", "OD"))}
+    offsets = plane_offsets(int(qtype), k)
     rows = rpt * tr // (2 if silu else 1)
     pdl = pdl_on(x.device.index if x.device.index is not None else 0)
     KERNELS[int(qtype)][(-(-n // rows),)](
