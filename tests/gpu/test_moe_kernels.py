@@ -341,3 +341,50 @@ def test_moe_blocks_q4k_q6k(dtype: torch.dtype) -> None:
                                                       True, config=cfg))
     with pytest.raises(ValueError, match="moe_blocks"):
         moe_blocks.moe_blocks(x, gb, ub, db, T.Q4_K, T.Q4_K, ids, w, True)
+
+
+def host_copy(t: torch.Tensor) -> torch.Tensor:
+    """t's copy in host memory the device can read (pinned); on the CPU a plain copy."""
+    h = t.detach().cpu().clone()
+    return h.pin_memory() if t.is_cuda else h
+
+
+@pytest.mark.parametrize("qtype", [None, T.Q4_K], ids=["bf16", "Q4_K"])
+def test_mapped_reads_equal_resident(qtype: int | None) -> None:
+    """Experts with a slot read it, the others their host copy (`moe.Mapped`): the products equal
+    every expert resident, bit for bit; a table that sends an expert to the wrong slot does not."""
+    t, k, e, s, h, i = 6, 2, 6, 3, 256, 256
+    dtype = torch.bfloat16
+    x = randn(t, h, dtype=dtype, seed=21, scale=2.0)
+    if qtype is None:
+        full = experts(e, h, i, dtype, seed=22)
+    else:
+        full = tuple(block_experts(qtype, e, n, c, sd, True, dtype)[0].view(e, n, -1)
+                     for n, c, sd in ((i, h, 23), (i, h, 24), (h, i, 25)))
+    hosts = [host_copy(w) for w in full]
+    held = [4, 1, 2]  # slot -> expert
+    slots = [torch.stack([w[j] for j in held]).contiguous() for w in full]
+    table = torch.full((e,), -1, dtype=torch.int32, device=DEV)
+    table[torch.tensor(held, device=DEV)] = torch.arange(s, dtype=torch.int32, device=DEV)
+    ids, _ = routing(t, k, e, seed=26, dtype=dtype)
+    a = moe.align(ids, e, 16)
+
+    def products(g, u, d, mapped):
+        if qtype is None:
+            act = moe.expert_gate_up(x, g, u, a, k, mapped=mapped and mapped[0])
+            return moe.expert_down(act, d, a, k, mapped=mapped and mapped[1])
+        act = moe_blocks.expert_gate_up_blocks(x, g.view(-1, g.shape[2]), u.view(-1, u.shape[2]), qtype,
+                                               i, a, k, True, mapped=mapped and mapped[0])
+        return moe_blocks.expert_down_blocks(act, d.view(-1, d.shape[2]), qtype, h, a, k, True,
+                                             mapped=mapped and mapped[1])
+
+    def maps(tab):
+        return (moe.Mapped(tab, moe.distance(hosts[0], slots[0]), moe.distance(hosts[1], slots[1])),
+                moe.Mapped(tab, moe.distance(hosts[2], slots[2]), 0))
+
+    resident = products(*full, None)
+    assert torch.equal(products(*slots, maps(table)), resident)
+    wrong = table.clone()
+    wrong[2] = 0  # expert 2 read from expert 4's slot
+    assert bool((ids == 2).any()) and bool((ids == 5).any())  # slotted and host-read experts both used
+    assert not torch.equal(products(*slots, maps(wrong)), resident)

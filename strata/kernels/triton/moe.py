@@ -46,7 +46,8 @@ from strata.kernels.triton.blocks_decode import decode
 from strata.kernels.triton.gemv import DTYPES, INTERPRET
 from strata.kernels.triton.numerics import exp
 
-__all__ = ["CONFIGS", "Aligned", "align", "combine", "expert_down", "expert_gate_up", "moe", "takes"]
+__all__ = ["CONFIGS", "Aligned", "Mapped", "align", "combine", "distance", "expert_down",
+           "expert_gate_up", "moe", "takes"]
 
 BLOCK_K = 128  # the one reduction tile: whole Q6_K halves, Q4_K / Q5_K group pairs, 4 Q8_0 blocks
 MULTIPLE = 16  # H and I must be multiples of this
@@ -66,6 +67,26 @@ class Aligned(NamedTuple):
     block_expert: torch.Tensor  # int32 [P // block_m]: each block's expert, -1 past `used`
     used: torch.Tensor  # int32 [1]: the padded length in use
     block_m: int
+
+
+class Mapped(NamedTuple):
+    """Experts read from device slots, or, for an expert without a slot, straight from its
+    copy in pinned host memory (mapped into the device's address space: read over the bus,
+    no copy, no host decision in the step, so it can be captured in a CUDA graph)."""
+
+    table: torch.Tensor  # int [E] on the device: expert -> slot, -1 where it is read from the host
+    w: int  # the host copy of the weights minus the slots, in elements (bytes for blocks)
+    u: int  # the same for the up weights (gate/up), else 0
+
+
+def distance(host: torch.Tensor, slots: torch.Tensor) -> int:
+    """host's address minus slots', in slots' elements (`Mapped`): the kernels add it to a row's
+    offset to read it from the host copy instead."""
+    gap = host.data_ptr() - slots.data_ptr()
+    if gap % slots.element_size() or host.dtype != slots.dtype:
+        raise ValueError(f"distance: host {host.dtype} at {host.data_ptr():#x} and slots "
+                         f"{slots.dtype} at {slots.data_ptr():#x} are not whole elements apart")
+    return gap // slots.element_size()
 
 
 def padded_length(pairs: int, num_experts: int, block_m: int) -> int:
@@ -170,29 +191,31 @@ def _block_tile(b, h, rb, k0, QT: tl.constexpr, GPB: tl.constexpr, E: tl.constex
 
 
 @triton.jit
-def _weights(w, h, row, k0, K: tl.constexpr, dt: tl.constexpr, QT: tl.constexpr,
+def _weights(w, h, row, off, k0, K: tl.constexpr, dt: tl.constexpr, QT: tl.constexpr,
              GPB: tl.constexpr, E: tl.constexpr, OQ: tl.constexpr, SQ: tl.constexpr,
              OH: tl.constexpr, SH: tl.constexpr, OSC: tl.constexpr, SSC: tl.constexpr,
              OD: tl.constexpr, SD: tl.constexpr, OM: tl.constexpr, SM: tl.constexpr,
              NG: tl.constexpr, RS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     """The weight tile [BLOCK_N, BLOCK_K] of rows `row` in x's dtype: loaded (QT 0), or
-    decoded and each value rounded once from float32, as blocks.block_mm feeds tl.dot."""
+    decoded and each value rounded once from float32, as blocks.block_mm feeds tl.dot. `off`:
+    where the rows are read from, relative to w (elements; bytes for blocks): 0, or a mapped
+    host copy's distance (`Mapped`)."""
     if QT == 0:
         kk = k0 + tl.arange(0, BLOCK_K)
         if K % BLOCK_K == 0:
-            t = tl.load(w + row[:, None] * K + kk[None, :])
+            t = tl.load(w + off + row[:, None] * K + kk[None, :])
         else:
-            t = tl.load(w + row[:, None] * K + kk[None, :], mask=(kk < K)[None, :], other=0.0)
+            t = tl.load(w + off + row[:, None] * K + kk[None, :], mask=(kk < K)[None, :], other=0.0)
     else:
-        t = _block_tile(w, h, row * RS, k0, QT, GPB, E, OQ, SQ, OH, SH, OSC, SSC, OD, SD, OM, SM,
+        t = _block_tile(w, h, row * RS + off, k0, QT, GPB, E, OQ, SQ, OH, SH, OSC, SSC, OD, SD, OM, SM,
                         NG, BLOCK_N, BLOCK_K).to(dt)
     return t
 
 
 @triton.jit
 def _expert_kernel(
-    x, w, wh, u, uh, out, rows, block_expert, pairs, N: tl.constexpr, K: tl.constexpr,
-    TOP_K: tl.constexpr, GATHER: tl.constexpr, SILU: tl.constexpr,
+    x, w, wh, u, uh, out, rows, block_expert, pairs, table, w_host, u_host, N: tl.constexpr,
+    K: tl.constexpr, TOP_K: tl.constexpr, GATHER: tl.constexpr, SILU: tl.constexpr, MAPPED: tl.constexpr,
     QT: tl.constexpr, BLOCK: tl.constexpr, GPB: tl.constexpr, E: tl.constexpr, PARTS: tl.constexpr,
     NG: tl.constexpr, RS: tl.constexpr, OQ: tl.constexpr, SQ: tl.constexpr, OH: tl.constexpr,
     SH: tl.constexpr, OSC: tl.constexpr, SSC: tl.constexpr, OD: tl.constexpr, SD: tl.constexpr,
@@ -201,15 +224,25 @@ def _expert_kernel(
 ):
     """Rows of block program_id(0) (all of one expert) times N-tile program_id(1) of that
     expert's weights (rows expert * N + n). GATHER: input row of pair r is x[r // TOP_K]
-    (gate/up), else x[r] (down). SILU: silu(x @ w.T) * (x @ u.T), else x @ w.T."""
+    (gate/up), else x[r] (down). SILU: silu(x @ w.T) * (x @ u.T), else x @ w.T.
+    MAPPED: w and u are device slots; table[expert] is the expert's slot, or -1 for one read
+    where it lies in host memory, w_host / u_host (elements, bytes for blocks) past w / u."""
     ex = tl.load(block_expert + tl.program_id(0))
     if ex >= 0:
+        at = ex.to(tl.int64)
+        w_off = 0
+        u_off = 0
+        if MAPPED:
+            slot = tl.load(table + ex)
+            at = tl.where(slot >= 0, slot, ex).to(tl.int64)
+            w_off = tl.where(slot >= 0, 0, w_host).to(tl.int64)
+            u_off = tl.where(slot >= 0, 0, u_host).to(tl.int64)
         r = tl.load(rows + tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M))
         r_ok = r < pairs
         src = tl.where(r_ok, r // TOP_K if GATHER else r, 0).to(tl.int64)
         n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
         n_ok = n < N
-        row = ex.to(tl.int64) * N + tl.where(n_ok, n, 0)
+        row = at * N + tl.where(n_ok, n, 0)
         dt = x.dtype.element_ty
         acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
         if SILU:
@@ -218,11 +251,11 @@ def _expert_kernel(
             kk = k0 + tl.arange(0, BLOCK_K)
             xt = tl.load(x + src[:, None] * K + kk[None, :], mask=r_ok[:, None] & (kk < K)[None, :],
                          other=0.0)
-            wt = _weights(w, wh, row, k0, K, dt, QT, GPB, E, OQ, SQ, OH, SH, OSC, SSC, OD, SD,
+            wt = _weights(w, wh, row, w_off, k0, K, dt, QT, GPB, E, OQ, SQ, OH, SH, OSC, SSC, OD, SD,
                           OM, SM, NG, RS, BLOCK_N, BLOCK_K)
             acc = tl.dot(xt, tl.trans(wt), acc, input_precision=PRECISION)
             if SILU:
-                ut = _weights(u, uh, row, k0, K, dt, QT, GPB, E, OQ, SQ, OH, SH, OSC, SSC, OD,
+                ut = _weights(u, uh, row, u_off, k0, K, dt, QT, GPB, E, OQ, SQ, OH, SH, OSC, SSC, OD,
                               SD, OM, SM, NG, RS, BLOCK_N, BLOCK_K)
                 acc2 = tl.dot(xt, tl.trans(ut), acc2, input_precision=PRECISION)
         y = acc.to(dt).to(tl.float32)
@@ -234,16 +267,18 @@ def _expert_kernel(
 
 def launch_experts(x: torch.Tensor, w: torch.Tensor, u: torch.Tensor | None, aligned: Aligned,
                    top_k: int, n: int, gather: bool, type_args: dict, block_n: int, warps: int,
-                   stages: int) -> torch.Tensor:
-    """[pairs, n] in x's dtype from `_expert_kernel` (u: the up weights, with silu)."""
+                   stages: int, mapped: Mapped | None = None) -> torch.Tensor:
+    """[pairs, n] in x's dtype from `_expert_kernel` (u: the up weights, with silu; mapped: w and
+    u are slots, experts without one read from the host)."""
     pairs = x.shape[0] * top_k if gather else x.shape[0]
     out = torch.empty((pairs, n), dtype=x.dtype, device=x.device)
     half = (lambda t: t.view(torch.float16)) if type_args["QT"] else (lambda t: t)
     grid = (aligned.block_expert.numel(), triton.cdiv(n, block_n))
     _expert_kernel[grid](
         x, w, half(w), u if u is not None else w, half(u if u is not None else w), out,
-        aligned.rows, aligned.block_expert, pairs, N=n, K=x.shape[1], TOP_K=top_k, GATHER=gather,
-        SILU=u is not None, **type_args, BLOCK_M=aligned.block_m, BLOCK_N=block_n, BLOCK_K=BLOCK_K,
+        aligned.rows, aligned.block_expert, pairs, mapped.table if mapped else aligned.used,
+        mapped.w if mapped else 0, mapped.u if mapped else 0, N=n, K=x.shape[1], TOP_K=top_k,
+        GATHER=gather, SILU=u is not None, MAPPED=mapped is not None, **type_args, BLOCK_M=aligned.block_m, BLOCK_N=block_n, BLOCK_K=BLOCK_K,
         PRECISION="ieee" if x.dtype == torch.float32 else "tf32", num_warps=warps,
         num_stages=stages,
     )
@@ -302,23 +337,25 @@ def _check(x: torch.Tensor, name: str, *weights: torch.Tensor) -> None:
 
 
 def expert_gate_up(x: torch.Tensor, gate: torch.Tensor, up: torch.Tensor, aligned: Aligned,
-                   top_k: int, *, block_n: int = 32, warps: int = 4, stages: int = 2
-                   ) -> torch.Tensor:
+                   top_k: int, *, block_n: int = 32, warps: int = 4, stages: int = 2,
+                   mapped: Mapped | None = None) -> torch.Tensor:
     """act [T * k, I]: row t * k + j = silu(x[t] @ gate[e].T) * (x[t] @ up[e].T), e the pair's
-    expert (topk_ids[t, j]); x [T, H], gate and up [E, I, H], all of one dtype."""
+    expert (topk_ids[t, j]); x [T, H], gate and up [E, I, H], all of one dtype (mapped: gate and
+    up are [slots, I, H], experts without a slot read from their host copies)."""
     _check(x, "expert_gate_up", gate, up)
     return launch_experts(x, gate, up, aligned, top_k, gate.shape[1], True, DENSE_TYPE,
-                          block_n, warps, stages)
+                          block_n, warps, stages, mapped)
 
 
 def expert_down(act: torch.Tensor, down: torch.Tensor, aligned: Aligned, top_k: int, *,
-                block_n: int = 64, warps: int = 4, stages: int = 2) -> torch.Tensor:
+                block_n: int = 64, warps: int = 4, stages: int = 2,
+                mapped: Mapped | None = None) -> torch.Tensor:
     """y [T * k, H]: row r = act[r] @ down[e].T for the pair's expert e; down [E, H, I]."""
     if not (takes(act) and _weight_ok(act, down, act.shape[1])):
         raise ValueError(f"expert_down: down {tuple(down.shape)} {down.dtype} for act "
                          f"{tuple(act.shape)} {act.dtype} on {act.device}")
     return launch_experts(act, down, None, aligned, top_k, down.shape[1], False, DENSE_TYPE,
-                          block_n, warps, stages)
+                          block_n, warps, stages, mapped)
 
 
 @triton.jit

@@ -25,6 +25,7 @@ from strata.kernels.triton.blocks_decode import TYPES, takes
 from strata.kernels.triton.moe import (
     Aligned,
     Config,
+    Mapped,
     align,
     combine,
     default_config,
@@ -61,26 +62,27 @@ def _blocks_per_row(x: torch.Tensor, blocks: torch.Tensor, qtype: int, n_rows: i
 
 def expert_gate_up_blocks(x: torch.Tensor, gate_blocks: torch.Tensor, up_blocks: torch.Tensor,
                           qtype: int, n_rows_per_expert: int, aligned: Aligned, top_k: int,
-                          packed: bool, *, block_n: int = 32, warps: int = 4, stages: int = 2
-                          ) -> torch.Tensor:
+                          packed: bool, *, block_n: int = 32, warps: int = 4, stages: int = 2,
+                          mapped: Mapped | None = None) -> torch.Tensor:
     """moe.expert_gate_up with gate and up in blocks of one qtype, [E * I, row bytes] each
-    (I = n_rows_per_expert), raw or (packed=True) `pack`ed."""
+    (I = n_rows_per_expert), raw or (packed=True) `pack`ed; mapped as there (distances in bytes)."""
     nb = _blocks_per_row(x, gate_blocks, qtype, n_rows_per_expert, "expert_gate_up_blocks")
     if up_blocks.shape != gate_blocks.shape or up_blocks.dtype != torch.uint8 \
             or not up_blocks.is_contiguous() or up_blocks.device != gate_blocks.device:
         raise ValueError(f"expert_gate_up_blocks: up {tuple(up_blocks.shape)} does not match "
                          f"gate {tuple(gate_blocks.shape)}")
     return launch_experts(x, gate_blocks, up_blocks, aligned, top_k, n_rows_per_expert, True,
-                          _type_args(qtype, nb, packed), block_n, warps, stages)
+                          _type_args(qtype, nb, packed), block_n, warps, stages, mapped)
 
 
 def expert_down_blocks(act: torch.Tensor, down_blocks: torch.Tensor, qtype: int,
                        n_rows_per_expert: int, aligned: Aligned, top_k: int, packed: bool, *,
-                       block_n: int = 64, warps: int = 4, stages: int = 2) -> torch.Tensor:
+                       block_n: int = 64, warps: int = 4, stages: int = 2,
+                       mapped: Mapped | None = None) -> torch.Tensor:
     """moe.expert_down with down in blocks, [E * H, row bytes] (H = n_rows_per_expert)."""
     nb = _blocks_per_row(act, down_blocks, qtype, n_rows_per_expert, "expert_down_blocks")
     return launch_experts(act, down_blocks, None, aligned, top_k, n_rows_per_expert, False,
-                          _type_args(qtype, nb, packed), block_n, warps, stages)
+                          _type_args(qtype, nb, packed), block_n, warps, stages, mapped)
 
 
 def takes_blocks(x: torch.Tensor, gate_qtype: int, down_qtype: int, i: int) -> bool:
