@@ -16,6 +16,8 @@ import strata
 from strata.engine.threads import parse_threads
 from strata.errors import BadRequest
 from strata.kv.expert_residency import POLICIES
+
+EXPERT_MISSES = ("copy", "mapped")  # --expert-misses
 from strata.kv.formats import FORMAT_NAMES
 from strata.models.loader import resolve_device
 from strata.models.quantize import WEIGHT_MODES
@@ -66,6 +68,7 @@ class EngineConfig:
     expert_uploads: int | None = None  # experts copied into a layer's slots per step at most; the
     # misses past it are computed on the host (None: every miss is copied)
     expert_prefetch: bool = False  # each cached layer copies in the next one's predicted experts
+    expert_misses: str = "copy"  # a cached step's missing experts: copy (in first) | mapped (read in place)
     chat_template: str | None = None  # Jinja text of --chat-template FILE; None = the model's own
     gpu_layers: int | None = None  # llama-server's -ngl: None or -1 = all; checked once loaded
     spec: int = 0  # drafted tokens a decoding lane may carry into a step (speculative.py); 0 = off
@@ -335,6 +338,12 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
                    help="with --expert-cache: each layer predicts the next layer's experts (its "
                         "router on this layer's input) and copies them in while it computes "
                         "(default: off until measured; docs/MOE.md)")
+    e.add_argument("--expert-misses", default=d.expert_misses, choices=list(EXPERT_MISSES),
+                   help="with --expert-cache on a GPU: copy (a step reads its routing on the host and "
+                        "copies its missing experts in first) or mapped (a step reads them in place "
+                        "from pinned host memory over the bus, decides nothing on the host and keeps "
+                        "CUDA graphs; the most used misses are copied in between steps, "
+                        "--expert-uploads a layer and step, default 2; docs/MOE.md)")
     s = parser.add_argument_group("layer split (docs/STAGES.md)")
     s.add_argument("--gpus", type=gpus_arg, default=d.gpus,
                    help="split the model's layers over these devices in this process: GPU numbers "
@@ -501,6 +510,12 @@ def expert_slots(config: EngineConfig) -> str | None:
                          "expert_policy")
     if config.expert_uploads is not None and config.expert_uploads < 0:
         raise BadRequest(f"--expert-uploads must be 0 or more, not {config.expert_uploads}", "expert_uploads")
+    if config.expert_misses not in EXPERT_MISSES:
+        raise BadRequest(f"--expert-misses must be one of {', '.join(EXPERT_MISSES)}, not {config.expert_misses!r}",
+                         "expert_misses")
+    if config.expert_misses == "mapped" and config.expert_prefetch:
+        raise BadRequest("--expert-misses mapped copies between steps from the routing it logs; it does "
+                         "not take --expert-prefetch", "expert_misses")
     if config.expert_cache is not None:
         try:
             return expert_cache_arg(str(config.expert_cache))
@@ -509,6 +524,9 @@ def expert_slots(config: EngineConfig) -> str | None:
     if config.experts_on != "host" and config.expert_uploads is not None:
         raise BadRequest("--expert-uploads caps an expert cache's copies: give --expert-cache too",
                          "expert_uploads")
+    if config.experts_on != "host" and config.expert_misses != "copy":
+        raise BadRequest("--expert-misses says how an expert cache reads its misses: give --expert-cache too",
+                         "expert_misses")
     if config.experts_on != "host" and config.expert_prefetch:
         raise BadRequest("--expert-prefetch fills an expert cache's slots: give --expert-cache too",
                          "expert_prefetch")

@@ -66,6 +66,7 @@ from strata.kv.tables import TablePool
 from strata.memory import device_memory
 from strata.models import load_model
 from strata.models.blocks import weight_bytes
+from strata.models.expert_refill import ExpertRefill
 from strata.models.experts import (
     CacheStats,
     auto_slots,
@@ -146,6 +147,7 @@ class Engine:
     def _setup(self, loaded: Any) -> None:
         config = self.config
         self.expert_stats: CacheStats | None = None  # --expert-cache's counters
+        self.expert_refill: ExpertRefill | None = None  # --expert-misses mapped: between steps
         self.cpu_threads = CpuThreads(find_cores(), config.threads, torch.set_num_threads)
         split = split_of(config)
         if split is not None and loaded is not None:
@@ -212,7 +214,8 @@ class Engine:
             self.runner = Runner(self.loaded.model, self.pool, mc.attn_scale, self.device,
                                  graphs=graph_safe(self.loaded.model), states=self.states,
                                  windowed=any(mc.window(i) is not None for i in pool_layers),
-                                 rows_per_lane=1 + max(config.spec, 0), keep_hidden=config.mtp)
+                                 rows_per_lane=1 + max(config.spec, 0), keep_hidden=config.mtp,
+                                 after_step=self.expert_refill.after_step if self.expert_refill else None)
             if self.device.type == "cpu":  # a step's time is its threads' work: the governor can judge
                 self.cpu_threads.govern()
         log.info("%s", self.cpu_threads.describe())
@@ -298,8 +301,12 @@ class Engine:
         else:
             n = int(slots)
         self.expert_stats = CacheStats()
-        install_expert_cache(model, n, self.device, self.expert_stats, self.config.expert_policy,
-                             self.config.expert_uploads, self.config.expert_prefetch)
+        mapped = self.config.expert_misses == "mapped"
+        if mapped and self.device.type != "cuda":
+            raise BadRequest(f"--expert-misses mapped reads host memory from a GPU; the device is {self.device}",
+                             "expert_misses")
+        self.expert_refill = install_expert_cache(model, n, self.device, self.expert_stats, self.config.expert_policy,
+                                                  self.config.expert_uploads, self.config.expert_prefetch, mapped)
         log.info("%s", describe_cache(model, self.device))
 
     # ---- public API ---------------------------------------------------------

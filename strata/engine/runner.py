@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 
 from strata.attention.select import HAVE_TRITON, backend_for, graphs_possible
@@ -22,18 +24,22 @@ def graphs_factory() -> type | None:
 class Runner:
     def __init__(self, model: torch.nn.Module, pool: KvPool, scale: float, device: torch.device,
                  graphs: bool = True, states: StatePool | None = None, windowed: bool = False,
-                 rows_per_lane: int = 1, keep_hidden: bool = False) -> None:
+                 rows_per_lane: int = 1, keep_hidden: bool = False,
+                 after_step: Callable[[int], None] | None = None) -> None:
         """states: a recurrent model's per-lane state (`kv/state.py`); its steps run eagerly.
         windowed: a pool layer attends within a sliding window (`select.backend_for`).
         rows_per_lane: 1 + the most drafts a lane verifies in a step (graphs are sized for them).
         keep_hidden: keep an eager step's final hidden states, every row, in `hidden` (the MTP
-        head reads them: engine/mtp.py)."""
+        head reads them: engine/mtp.py).
+        after_step: called with a step's real row count once it is launched (the expert refill of
+        `--expert-misses mapped`, models/expert_refill.py)."""
         self.model = model
         self.states = states
         self.pool = pool
         self.scale = scale
         self.device = device
         self.keep_hidden = keep_hidden
+        self.after_step = after_step
         self.hidden: torch.Tensor | None = None  # the last eager step's, with keep_hidden
         self.context = backend_for(pool, windowed)  # the attention backend of every step (attention/select.py)
         self.graphs = None  # CUDA graphs of decode steps (prompt reading stays eager)
@@ -63,12 +69,21 @@ class Runner:
         """
         if self.graphs is not None and self.graphs.supports(seqs, [True] * len(seqs)):
             self.hidden = None
-            return self.graphs.forward(seqs, [0] * len(seqs), device_ids=ids)
+            logits = self.graphs.forward(seqs, [0] * len(seqs), device_ids=ids)
+            if self.after_step is not None:
+                self.after_step(len(seqs))
+            return logits
         return self.forward(seqs, ids.tolist(), [True] * len(seqs))
 
     @torch.inference_mode()
     def forward(self, seqs: list[SeqSpec], tokens: list[int], sample: list[int]) -> torch.Tensor:
         """Logits (float32) of the rows `sampled_rows(seqs, sample)` names, in order."""
+        logits = self._forward(seqs, tokens, sample)
+        if self.after_step is not None:
+            self.after_step(len(tokens))
+        return logits
+
+    def _forward(self, seqs: list[SeqSpec], tokens: list[int], sample: list[int]) -> torch.Tensor:
         self.hidden = None  # a captured graph's step keeps none
         if self.graphs is not None:
             rows = self.graphs.rows_of(seqs, sample)  # drafts verified as decode rows

@@ -57,16 +57,28 @@ class ExpertUsage:
         return self.score[e] * math.exp2(-(self.clock - self.last_use[e]) / self.half_life)
 
 
+def _key(usage: ExpertUsage, e: int, policy: str) -> tuple:
+    """Expert e's place in the policy's order: the smaller, the sooner it goes."""
+    if policy == "lru":
+        return (usage.last_use[e], e)
+    if policy == "lfu":
+        return (usage.uses[e], usage.last_use[e], e)
+    return (usage.decayed(e), usage.last_use[e], e)
+
+
 def evict_order(usage: ExpertUsage, resident: list[int], needed: set[int], policy: str) -> list[int]:
     """The resident experts a step may evict, first to go first (never one in `needed`)."""
     if policy not in POLICIES:
         raise ValueError(f"expert cache policy must be one of {', '.join(POLICIES)}, not {policy!r}")
-    candidates = [e for e in resident if e not in needed]
-    if policy == "lru":
-        return sorted(candidates, key=lambda e: (usage.last_use[e], e))
-    if policy == "lfu":
-        return sorted(candidates, key=lambda e: (usage.uses[e], usage.last_use[e], e))
-    return sorted(candidates, key=lambda e: (usage.decayed(e), usage.last_use[e], e))
+    return sorted((e for e in resident if e not in needed), key=lambda e: _key(usage, e, policy))
+
+
+def admit(usage: ExpertUsage, candidate: int, victim: int, policy: str) -> bool:
+    """Whether copying `candidate` in over `victim` is worth a copy: the policy would keep the
+    candidate longer. Where a miss is read in place anyway (`--expert-misses mapped`), a copy
+    only pays for an expert used more than the one it replaces (lru: always, the candidate is
+    the newer)."""
+    return _key(usage, candidate, policy) > _key(usage, victim, policy)
 
 
 def simulate(trace: list[list[int]], experts: int, slots: int, policy: str,

@@ -28,8 +28,10 @@ from torch import nn
 
 from strata.errors import BadRequest
 from strata.kv.expert_residency import DEFAULT_POLICY, ExpertUsage, evict_order
+from strata.models.expert_refill import ExpertRefill
 from strata.models.moe import ExpertMath
 
+DEFAULT_MAPPED_UPLOADS = 2  # experts a layer copies into its slots per step with mapped reads
 Route = Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor]]  # x -> (expert ids, weights)
 
 
@@ -43,6 +45,7 @@ class CacheStats:
     prefetched: int = 0  # experts copied in ahead of their layer (`--expert-prefetch`)
     prefetch_used: int = 0  # of those, the ones their layer's routing then took
     bytes_uploaded: int = 0
+    mapped_reads: int = 0  # misses read in place from host memory (`--expert-misses mapped`)
     token_layers: int = 0  # tokens through each cached layer, summed
     slots: dict[int, int] = field(default_factory=dict)  # layer -> slots
 
@@ -56,7 +59,8 @@ class CacheStats:
         tokens = self.token_layers / max(1, len(self.slots))
         return {"hit_rate": self.hit_rate(), "hits": self.hits, "misses": self.misses,
                 "host_computed": self.host_computed, "prefetched": self.prefetched,
-                "prefetch_used": self.prefetch_used, "bytes_uploaded": self.bytes_uploaded,
+                "prefetch_used": self.prefetch_used, "mapped_reads": self.mapped_reads,
+                "bytes_uploaded": self.bytes_uploaded,
                 "bytes_per_token": self.bytes_uploaded / tokens if tokens else 0.0,
                 "slots_per_layer": min(self.slots.values(), default=0), "layers": len(self.slots)}
 
@@ -71,11 +75,12 @@ class ExpertCache(nn.Module):
     host's kernels (their rounding, not the device's), while the device computes the rest.
     `look_ahead`: predict the next sparse layer's experts from this layer's input and copy them
     into its slots while this layer computes (`prefetch`).
+    `fused`: the fused kernels take these experts (what mapped reads need: `attach`).
     """
 
     def __init__(self, math: ExpertMath, host: list[torch.Tensor], slots: int, device: torch.device,
                  layer: int, stats: CacheStats, policy: str = DEFAULT_POLICY,
-                 max_uploads: int | None = None) -> None:
+                 max_uploads: int | None = None, fused: bool = False) -> None:
         super().__init__()
         experts = int(host[0].shape[0])
         if not 1 <= slots <= experts:
@@ -111,6 +116,28 @@ class ExpertCache(nn.Module):
         self.ahead: tuple[Route, ExpertCache] | None = None  # `look_ahead`
         self.fetched: set[int] = set()  # experts `prefetch` copied in for the coming step
         self.ready: torch.cuda.Event | None = None  # when those copies are done (the copy stream)
+        self.fused = fused
+        self.refill: ExpertRefill | None = None  # mapped reads (`attach`)
+        self.index = -1  # this layer's row in the refill's logs and tables
+        self.log: torch.Tensor | None = None  # the device row mapped steps write their routing to
+
+    def attach(self, refill: ExpertRefill, index: int, log: torch.Tensor, table: torch.Tensor) -> None:
+        """Read misses in place from now on (`expert_refill.py`): steps the refill `takes` log their
+        routing into `log` and read each expert from its slot or host copy by `table` (this
+        layer's rows of the refill's buffers, which replace the cache's own table)."""
+        if not self.fused:
+            raise BadRequest("--expert-misses mapped: the fused kernels do not take these experts "
+                             "(CUDA, bf16 / fp16 / fp32 or the block types of --weights gguf)", "expert_misses")
+        if self.max_uploads is not None or self.ahead is not None:
+            raise BadRequest("--expert-misses mapped copies between steps: it takes neither a host "
+                             "compute cap (--expert-uploads sets its copies a step) nor --expert-prefetch",
+                             "expert_misses")
+        self.refill, self.index, self.log, self.table = refill, index, log, table
+
+    @property
+    def graph_safe(self) -> bool:
+        """Mapped reads decide nothing on the host, so their steps can be captured."""
+        return self.refill is not None and self.fused
 
     def look_ahead(self, route: Route, cache: ExpertCache) -> None:
         """Prefetch for the next sparse layer: its router (`route`, x -> (ids, weights)) applied to
@@ -135,6 +162,24 @@ class ExpertCache(nn.Module):
         return [e for e in self.held if e >= 0]
 
     def forward(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        if self.refill is None:
+            return self._copied(x, ids, weights)
+        if self.refill.takes(int(x.shape[0])):
+            return self._mapped(x, ids, weights)
+        self.refill.settle()
+        y = self._copied(x, ids, weights)
+        self.refill.publish(self.index)
+        return y
+
+    def _mapped(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        """Every expert read from its slot or its host copy, by the table (no host read)."""
+        assert self.log is not None
+        self.log[: ids.numel()].copy_(ids.reshape(-1))
+        launch = self.math.config(self.host_tensors(), int(x.shape[0]), int(ids.shape[1]), x.dtype)  # all E's
+        return self.math.mapped(x, self.slot_tensors(), self.host_tensors(), self.table, ids, weights, launch)
+
+    def _copied(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        """The step's missing experts copied in first (its routing read on the host)."""
         flat, predicted = self._routing(x, ids)
         need = sorted(set(flat))
         if self.trace is not None:
@@ -286,19 +331,28 @@ def uploads_and_host(misses: list[int], routed: list[int], cap: int | None) -> t
 
 def install_expert_cache(model: nn.Module, slots: int, device: torch.device, stats: CacheStats,
                          policy: str = DEFAULT_POLICY, max_uploads: int | None = None,
-                         prefetch: bool = False) -> None:
+                         prefetch: bool = False, mapped: bool = False) -> ExpertRefill | None:
     """Replace every sparse layer's experts (loaded to the host) by an ExpertCache of `slots`;
-    `prefetch`: each cache predicts and copies in the next cached layer's experts (`look_ahead`)."""
+    `prefetch`: each cache predicts and copies in the next cached layer's experts (`look_ahead`);
+    `mapped`: misses read in place, the copies between steps: returns the ExpertRefill the
+    runner calls after each step (`max_uploads`: its copies per layer and step, default
+    `DEFAULT_MAPPED_UPLOADS`)."""
+    cached = []
     for i, layer in enumerate(model.layers):
         experts = getattr(layer.mlp, "experts", None)
         if experts is None or isinstance(experts, ExpertCache) or experts.tensors()[0].is_meta:
             continue
+        fused = bool(getattr(experts, "graph_safe", False))
         layer.mlp.hold_experts(ExpertCache(experts.math, experts.tensors(), min(slots, experts.num_experts),
-                                           device, i, stats, policy, max_uploads))
+                                           device, i, stats, policy, None if mapped else max_uploads, fused))
+        cached.append(layer.mlp)
     if prefetch:
-        cached = [layer.mlp for layer in model.layers if isinstance(getattr(layer.mlp, "experts", None), ExpertCache)]
         for mlp, nxt in zip(cached, cached[1:], strict=False):
             mlp.experts.look_ahead(nxt.route, nxt.experts)
+    if not mapped or not cached:
+        return None
+    uploads = DEFAULT_MAPPED_UPLOADS if max_uploads is None else max_uploads
+    return ExpertRefill([mlp.experts for mlp in cached], cached[0].top_k, uploads, device)
 
 
 def one_expert_bytes(tensors: list[torch.Tensor]) -> int:

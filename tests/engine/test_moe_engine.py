@@ -61,3 +61,12 @@ def test_bad_expert_flags_are_refused_before_the_load(moe_file: str) -> None:
         Engine(EngineConfig(model=moe_file, device="cpu", expert_prefetch=True))
     with pytest.raises(BadRequest, match="--expert-uploads must be 0 or more"):
         Engine(EngineConfig(model=moe_file, device="cpu", expert_cache="2", expert_uploads=-1))
+    with pytest.raises(BadRequest, match="--expert-misses must be one of copy, mapped"):
+        Engine(EngineConfig(model=moe_file, device="cpu", expert_cache="2", expert_misses="stream"))
+    with pytest.raises(BadRequest, match="--expert-misses says how an expert cache"):
+        Engine(EngineConfig(model=moe_file, device="cpu", expert_misses="mapped"))
+    with pytest.raises(BadRequest, match="does not take --expert-prefetch"):
+        Engine(EngineConfig(model=moe_file, device="cpu", expert_cache="2", expert_misses="mapped",
+                            expert_prefetch=True))
+    with pytest.raises(BadRequest, match="reads host memory from a GPU"):
+        Engine(EngineConfig(model=moe_file, device="cpu", expert_cache="2", expert_misses="mapped"))

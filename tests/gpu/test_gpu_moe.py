@@ -80,6 +80,22 @@ def test_expert_cache_gives_the_resident_bits(files: dict[str, Path], quant: str
     assert ahead == resident and eng.expert_stats.prefetched > 0
 
 
+@pytest.mark.parametrize("quant", ["bf16", "Q4_K_M"])
+def test_mapped_misses_keep_the_resident_bits_and_graphs(files: dict[str, Path], quant: str) -> None:
+    """--expert-misses mapped: misses read in place from pinned host memory, copies between steps;
+    decode steps run as CUDA graphs and the tokens are all-resident's."""
+    resident, _ = _run(files[quant], graphs=False)
+    mapped, eng = _run(files[quant], expert_cache="3", expert_misses="mapped")
+    assert mapped == resident
+    stats = eng.expert_stats
+    assert eng.runner.graphs is not None and stats is not None
+    assert stats.mapped_reads > 0 and stats.hits > 0 and stats.bytes_uploaded > 0
+    # no copies at all: every expert read in place, the same tokens (the controls that a wrong
+    # slot or host copy shows: tests/gpu/test_moe_kernels.py, test_expert_mapped.py)
+    none, eng = _run(files[quant], expert_cache="1", expert_misses="mapped", expert_uploads=0)
+    assert none == resident and eng.expert_stats.hits == 0
+
+
 def test_graphs_equal_eager(files: dict[str, Path]) -> None:
     eager, _ = _run(files["Q4_K_M"], graphs=False)
     graphed, eng = _run(files["Q4_K_M"])
