@@ -97,9 +97,11 @@ def _engine_stages(args: Any, cfg: EngineConfig, loaded: Any, weight_bytes: int,
         if traces:
             with open(args.trace_out, "w") as f:
                 json.dump({"experts": loaded.config.num_experts, "layers": traces}, f)
-        if cuda and graph_safe(engine.loaded.model):  # an expert cache reads its routing: eager only
+        if cuda and graph_safe(engine.loaded.model):  # an expert cache that copies misses: eager only
             use_decode_graphs(engine.runner)
             _graph_stages(args, engine, lanes, stage, tables)
+            if engine.expert_stats is not None:  # --expert-misses mapped: the counters after both
+                out["expert_cache"] = engine.expert_stats.figures()
     return cuda
 
 
@@ -190,6 +192,9 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--expert-cache", default=None, metavar="N|auto",
                    help="a MoE model's experts in host RAM, N per layer on the GPU (strata serve's flag)")
     p.add_argument("--expert-policy", default="lfru", help="strata serve's --expert-policy")
+    p.add_argument("--expert-misses", default="copy", choices=["copy", "mapped"],
+                   help="strata serve's --expert-misses (mapped: decode steps keep CUDA graphs)")
+    p.add_argument("--expert-uploads", type=int, default=None, help="strata serve's --expert-uploads")
     p.add_argument("--trace-out", default=None,
                    help="with --expert-cache: write every layer's routing (experts per step) as JSON "
                         "for `benchmarks.expert_policy`")
@@ -212,7 +217,8 @@ def engine_config(args: Any, lanes: list[int], lengths: list[int]) -> EngineConf
                         prefill_chunk=args.prefill_chunk, max_queued=4 * parallel,
                         pipeline=args.pipeline, batch_invariant=args.batch_invariant,
                         expert_cache=args.expert_cache,
-                        expert_policy=args.expert_policy)
+                        expert_policy=args.expert_policy, expert_misses=args.expert_misses,
+                        expert_uploads=args.expert_uploads)
 
 
 def main(argv: list[str] | None = None) -> int:
