@@ -18,6 +18,7 @@ Nothing here touches memory; `ExpertUsage.record` is the only state change.
 
 from __future__ import annotations
 
+import heapq
 import math
 from dataclasses import dataclass, field
 
@@ -66,11 +67,16 @@ def _key(usage: ExpertUsage, e: int, policy: str) -> tuple:
     return (usage.decayed(e), usage.last_use[e], e)
 
 
-def evict_order(usage: ExpertUsage, resident: list[int], needed: set[int], policy: str) -> list[int]:
-    """The resident experts a step may evict, first to go first (never one in `needed`)."""
+def evict_order(usage: ExpertUsage, resident: list[int], needed: set[int], policy: str,
+                limit: int | None = None) -> list[int]:
+    """The resident experts a step may evict, first to go first (never one in `needed`); only the
+    first `limit` of them if given (a partial selection: what a refill of a few slots asks)."""
     if policy not in POLICIES:
         raise ValueError(f"expert cache policy must be one of {', '.join(POLICIES)}, not {policy!r}")
-    return sorted((e for e in resident if e not in needed), key=lambda e: _key(usage, e, policy))
+    candidates = (e for e in resident if e not in needed)
+    if limit is not None:
+        return heapq.nsmallest(limit, candidates, key=lambda e: _key(usage, e, policy))
+    return sorted(candidates, key=lambda e: _key(usage, e, policy))
 
 
 def admit(usage: ExpertUsage, candidate: int, victim: int, policy: str) -> bool:

@@ -195,7 +195,9 @@ class ExpertRefill:
             return []
         busy = {e for batch in self._copying for (layer, e, _) in batch.moves if layer == j}
         free = [s for s, e in enumerate(cache.held) if e < 0]
-        victims = evict_order(cache.usage, [e for e in cache.resident() if e not in busy], set(used), cache.policy)
+        victims = [] if len(free) >= len(wanted) else evict_order(
+            cache.usage, [e for e in cache.resident() if e not in busy], set(used), cache.policy,
+            limit=len(wanted) - len(free))
         chosen = []
         for e in wanted:
             if free:
