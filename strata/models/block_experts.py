@@ -94,6 +94,10 @@ class BlockMath:
     def combine(self, y: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
         return combine_pairs(y, ids, weights)
 
+    def maps(self, x: torch.Tensor, slots: Sequence[torch.Tensor]) -> bool:
+        """Whether `mapped` takes rows like x over these device slots."""
+        return self.fused(x, slots)
+
     def mapped(self, x: torch.Tensor, slots: Sequence[torch.Tensor], hosts: Sequence[torch.Tensor],
                table: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, config: object) -> torch.Tensor:
         """`all` with each expert read from its slot or its host copy (moe.DenseMath.mapped)."""

@@ -342,9 +342,12 @@ def install_expert_cache(model: nn.Module, slots: int, device: torch.device, sta
         experts = getattr(layer.mlp, "experts", None)
         if experts is None or isinstance(experts, ExpertCache) or experts.tensors()[0].is_meta:
             continue
-        fused = bool(getattr(experts, "graph_safe", False))
-        layer.mlp.hold_experts(ExpertCache(experts.math, experts.tensors(), min(slots, experts.num_experts),
-                                           device, i, stats, policy, None if mapped else max_uploads, fused))
+        cache = ExpertCache(experts.math, experts.tensors(), min(slots, experts.num_experts), device, i, stats,
+                            policy, None if mapped else max_uploads)
+        router = layer.mlp.router.weight  # the rows the experts multiply: its width and dtype
+        cache.fused = cache.math.maps(torch.empty(1, router.shape[1], dtype=router.dtype, device=device),
+                                      cache.slot_tensors())
+        layer.mlp.hold_experts(cache)
         cached.append(layer.mlp)
     if prefetch:
         for mlp, nxt in zip(cached, cached[1:], strict=False):

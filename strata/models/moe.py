@@ -55,6 +55,8 @@ class ExpertMath(Protocol):
 
     def combine(self, y: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor: ...
 
+    def maps(self, x: torch.Tensor, slots: Sequence[torch.Tensor]) -> bool: ...
+
     def mapped(self, x: torch.Tensor, slots: Sequence[torch.Tensor], hosts: Sequence[torch.Tensor],
                table: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, config: object) -> torch.Tensor: ...
 
@@ -152,6 +154,10 @@ class DenseMath:
 
     def combine(self, y: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
         return combine_pairs(y, ids, weights)
+
+    def maps(self, x: torch.Tensor, slots: Sequence[torch.Tensor]) -> bool:
+        """Whether `mapped` takes rows like x over these device slots (the fused kernels do)."""
+        return triton_moe is not None and triton_moe.takes(x, *slots)
 
     def mapped(self, x: torch.Tensor, slots: Sequence[torch.Tensor], hosts: Sequence[torch.Tensor],
                table: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, config: object) -> torch.Tensor:
