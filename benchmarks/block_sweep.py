@@ -54,7 +54,7 @@ MM_GRID = {
     64: [(64, 64, 128, 4, 2), (64, 128, 128, 8, 2)],
     512: [(128, 128, 128, 8, 2), (128, 128, 128, 8, 3), (256, 128, 64, 8, 2)],
 }
-# kquant_rows (Q4_K, Q6_K; bf16): (rows a thread, threads a warp along rows, warps)
+# kquant_rows (Q4_K, Q6_K, Q8_0; bf16): (rows a thread, threads a warp along rows, warps)
 KQ_GRID = [(2, 1, 2), (2, 2, 2), (4, 1, 2), (2, 1, 4), (4, 1, 4), (2, 2, 4), (4, 2, 2), (2, 4, 2)]
 _F16_FIELDS = ("d", "m")
 DEV = "cuda"
@@ -129,7 +129,7 @@ def sweep_gemv(name: str, n: int, k: int, ops: str, qtype: int, gib: float) -> d
         us = _us(lambda i: blocks.block_gemv(x, packed[i], qtype, packed=True, config=cfg, **kw),
                  copies, f"{name} {T(qtype).name} {cfg}")
         configs.append({"config": list(cfg), "us": us, "GBps": raw_bytes / us / 1e3})
-    if qtype in (T.Q4_K, T.Q6_K) and kquant_rows.gl is not None:
+    if kquant_rows.gl is not None and qtype in kquant_rows.KERNELS:
         row.update(_sweep_kq(name, x, packed, qtype, kw, raw_bytes))
     raw = packed = None
     torch.cuda.empty_cache()

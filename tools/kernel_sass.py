@@ -126,7 +126,7 @@ def block_rows(kernel: str, qtype: int, rows: int, cols: int, silu: bool, residu
         consts = dict(K=cols, **kquant_rows.plane_offsets(qtype, cols), RPT=rpt, TR=tr, WARPS=warps,
                       SILU=silu, RESIDUAL=residual, PDL=True)
         compiled = compile_sm90(kquant_rows.KERNELS[qtype], {**sig, "N": "i32"}, consts, warps, gluon=True)
-        per_thread = rpt * 64
+        per_thread = rpt * (32 if qtype == T.Q8_0 else 64)  # a thread's chunk of each of its rows
         shape = {"rows_a_thread": rpt, "threads_along_rows": tr, "warps": warps}
     else:
         bn, per, warps, _ = config or blocks.default_gemv_config(n, cols, qtype, silu)

@@ -209,23 +209,24 @@ def test_graph_replay_equals_eager(qtype: int) -> None:
 
 
 KQ_CONFIGS = [None, (2, 2, 2), (4, 1, 4), (2, 4, 2), (4, 2, 2)]
-KQ_TYPES = [T.Q4_K, T.Q6_K]
+KQ_TYPES = [T.Q4_K, T.Q6_K, T.Q8_0]
 
 
 @pytest.mark.skipif(INTERPRET, reason="the Gluon kernels need a GPU")
 @pytest.mark.parametrize("config", KQ_CONFIGS, ids=str)
-@pytest.mark.parametrize("qtype", KQ_TYPES, ids=["Q4_K", "Q6_K"])
+@pytest.mark.parametrize("qtype", KQ_TYPES, ids=["Q4_K", "Q6_K", "Q8_0"])
 def test_group_sums(qtype: int, config: tuple[int, int, int] | None) -> None:
-    """kquant_rows' kernels on bf16 rows of packed Q4_K and Q6_K (block_gemv sends it the types
-    of `ROUTED`): under every launch shape of the sweep's grid they give the oracle's products,
-    folds included (as test_one_row and test_folds)."""
+    """kquant_rows' kernels on bf16 rows of packed Q4_K, Q6_K and Q8_0 (block_gemv sends it the
+    types of `ROUTED`): under every launch shape of the sweep's grid they give the oracle's
+    products, folds included (as test_one_row and test_folds)."""
     x0 = randn(1, 512, dtype=torch.bfloat16, seed=1)
     assert kquant_rows.computes(x0, qtype, True)
     assert kquant_rows.takes(x0, qtype, True) == (qtype in kquant_rows.ROUTED)
-    assert not kquant_rows.computes(x0, qtype, False) and not kquant_rows.computes(x0, T.Q8_0, True)
+    assert not kquant_rows.computes(x0, qtype, False) and not kquant_rows.computes(x0, T.Q5_K, True)
     assert not kquant_rows.computes(x0.float(), qtype, True)
-    assert kquant_rows.computes(x0[:, :256], T.Q4_K, True)
+    assert kquant_rows.computes(x0[:, :256], T.Q4_K, True) and kquant_rows.computes(x0[:, :128], T.Q8_0, True)
     assert not kquant_rows.computes(x0[:, :256], T.Q6_K, True)
+    assert not kquant_rows.computes(x0[:, :64], T.Q8_0, True)
     assert not kquant_rows.computes(randn(1, 520, dtype=torch.bfloat16, seed=1)[:, 4:516], qtype, True)
 
     def kq(x, b, n, **kw):
@@ -249,14 +250,14 @@ def test_group_sums(qtype: int, config: tuple[int, int, int] | None) -> None:
 
 
 @pytest.mark.skipif(INTERPRET, reason="the Gluon kernels need a GPU")
-@pytest.mark.parametrize("qtype", KQ_TYPES, ids=["Q4_K", "Q6_K"])
+@pytest.mark.parametrize("qtype", KQ_TYPES, ids=["Q4_K", "Q6_K", "Q8_0"])
 def test_group_sums_catch_a_wrong_scale(qtype: int) -> None:
     """The negative control: one sub-scale byte changed (in the packed planes) is caught."""
     b, w = weights(qtype, 64, 1024, seed=40, packed=True)
     x = randn(1, 1024, dtype=torch.bfloat16, seed=41, scale=2.0)
     bad = b.clone()
-    # row 0's scale plane, after 4 blocks of the larger planes: block 2, byte 1
-    at = (128 if qtype == T.Q4_K else 192) * 4 + (12 if qtype == T.Q4_K else 16) * 2 + 1
+    # row 0's scale plane, after the larger planes: block 2, byte 1 (Q8_0: the high byte of d)
+    at = {T.Q4_K: 128 * 4 + 12 * 2 + 1, T.Q6_K: 192 * 4 + 16 * 2 + 1, T.Q8_0: 32 * 32 + 2 * 2 + 1}[qtype]
     bad[0, at] ^= 0x21
     def kq(blk: torch.Tensor) -> torch.Tensor:
         out = torch.empty((1, 64), dtype=x.dtype, device=x.device)

@@ -53,13 +53,14 @@ CONFIGS: dict[tuple[int, int, int], Config] = {}
 
 
 def default_config(n: int, k: int, qtype: int) -> Config:
-    """Four Q4_K rows a thread (two gate and two up rows with silu; Q6_K: two, whose high bits
-    take twice the registers), two warps; a warp's 32 threads along the row's chunks of 64
-    values where a row has 128 or more of them, else 16 threads along the chunks and two
-    along the rows (the best of the sweep on the 8B shapes)."""
+    """Four Q4_K or Q8_0 rows a thread (two gate and two up rows with silu; Q6_K: two, whose high
+    bits take twice the registers), two warps; a warp's 32 threads along the row's chunks (64
+    values, Q8_0's 32) where a row has 128 or more of them, else 16 threads along the chunks and
+    two along the rows (the best of the sweep on the 8B shapes; Q8_0 not swept yet)."""
     if (n, k, qtype) in CONFIGS:
         return CONFIGS[(n, k, qtype)]
-    return 4 if qtype == T.Q4_K else 2, 1 if k // 64 >= 128 else 2, 2
+    chunks = k // (32 if qtype == T.Q8_0 else 64)
+    return 2 if qtype == T.Q6_K else 4, 1 if chunks >= 128 else 2, 2
 
 
 # The types block_gemv sends here. Q6_K's kernel (`_q6k_kernel`) is built and its tests call it
@@ -68,6 +69,7 @@ def default_config(n: int, k: int, qtype: int) -> Config:
 ROUTED = (T.Q4_K,)
 
 
+ROW_MULTIPLE = {T.Q4_K: 256, T.Q6_K: 512, T.Q8_0: 128}  # values a row is a multiple of, per type
 _FAILED: set[int] = set()  # types whose kernel this Triton could not compile (`fall_back`)
 
 
@@ -88,10 +90,10 @@ def fall_back(qtype: int, error: Exception) -> None:
 
 def computes(x: torch.Tensor, qtype: int, packed: bool) -> bool:
     """Whether `kq_gemv` can compute x [1, K] times packed `qtype` blocks: bf16 CUDA rows of
-    whole 64-bit words of blocks (Q6_K's 210-byte blocks: an even number of them), the row
-    starting on 16 bytes (it is read as 64-bit words)."""
-    return (gl is not None and not INTERPRET and x.is_cuda and packed and qtype in (T.Q4_K, T.Q6_K)
-            and x.dtype == torch.bfloat16 and x.shape[1] % (256 if qtype == T.Q4_K else 512) == 0
+    whole 64-bit words of blocks (Q6_K's 210-byte blocks: an even number of them; Q8_0's 34:
+    a multiple of 4), the row starting on 16 bytes (it is read as 64-bit words)."""
+    return (gl is not None and not INTERPRET and x.is_cuda and packed and qtype in ROW_MULTIPLE
+            and x.dtype == torch.bfloat16 and x.shape[1] % ROW_MULTIPLE[qtype] == 0
             and x.data_ptr() % 16 == 0)
 
 
@@ -316,14 +318,65 @@ if gl is not None:
             acc += gl.where(ok, gl.sum(t, 2), 0.0)
         _finish(gl.sum(acc, 1), out, res, pid, N, OUTS, WARPS, SILU, RESIDUAL)
 
-    KERNELS = {int(T.Q4_K): _q4k_kernel, int(T.Q6_K): _q6k_kernel}
+    @gluon.jit
+    def _q8_kernel(x, b, h, out, res, N, K: gl.constexpr, OD: gl.constexpr, RPT: gl.constexpr,
+                   TR: gl.constexpr, WARPS: gl.constexpr, SILU: gl.constexpr, RESIDUAL: gl.constexpr,
+                   PDL: gl.constexpr):
+        """As _q4k_kernel for Q8_0: a thread's chunk is one block's 32 int8 quants (8 words); with
+        u = q + 128 moved into bits 15-22 of 1.0f, f = 1 + u / 256 and a block adds
+        d * (256 * sum(f * x) - 384 * sum(x))."""
+        L: gl.constexpr = gl.BlockedLayout([RPT, 1, 8], [TR, 32 // TR, 1], [1, WARPS, 1], [2, 1, 0])
+        L2: gl.constexpr = gl.SliceLayout(2, L)  # [rows, chunks]
+        LX: gl.constexpr = gl.SliceLayout(0, L)  # [chunks, 8 words]
+        BN: gl.constexpr = RPT * TR
+        CH: gl.constexpr = (32 // TR) * WARPS
+        NCH: gl.constexpr = K // 32  # blocks a row
+        RS: gl.constexpr = NCH * 34
+        OUTS: gl.constexpr = BN // 2 if SILU else BN
+        _after_previous(PDL)
+        pid = gl.program_id(0)
+        rb = gl.expand_dims(_row_bytes(pid, N, BN, OUTS, RS, SILU, L2), 1)  # [BN, 1] bytes
+        rw = gl.expand_dims(rb // 4, 2)  # [BN, 1, 1] words
+        c2 = gl.expand_dims(gl.arange(0, CH, layout=gl.SliceLayout(0, L2)), 0)
+        cx = gl.arange(0, CH, layout=gl.SliceLayout(1, LX))
+        jx = gl.expand_dims(gl.arange(0, 8, layout=gl.SliceLayout(0, LX)), 0)
+        j3 = gl.expand_dims(jx, 0)
+        one = gl.full([BN, CH, 8], 0x3F800000, gl.uint32, layout=L)
+        xw = x.to(gl.pointer_type(gl.int64), bitcast=True)
+        bw = b.to(gl.pointer_type(gl.uint32), bitcast=True)
+        acc = gl.zeros([BN, CH], gl.float32, layout=L2)
+        for it in range(0, NCH, CH):
+            chx = gl.minimum(it + cx, NCH - 1)
+            atx = gl.expand_dims(chx * 8, 1) + jx  # 64-bit words: 4 inputs each
+            ch = it + c2
+            ok = ch < NCH
+            chc = gl.minimum(ch, NCH - 1)
+            u = gl.load(bw + rw + gl.expand_dims(chc * 8, 2) + j3) ^ 0x80808080  # [BN, CH, 8] words
+            wx = gl.load(xw + atx)
+            s = gl.zeros([BN, CH], gl.float32, layout=L2)
+            xs = gl.zeros([1, CH], gl.float32, layout=L2)
+            for i in gl.static_range(4):  # byte i of each word
+                v = gl.expand_dims(_lane(wx, i), 0)
+                f = _or_masked(_move(u, 8 * i, 15), 0x7F8000, one).to(gl.float32, bitcast=True)
+                s += gl.sum(f * v, 2)
+                xs += gl.sum(v, 2)
+            d = gl.load(h + (rb + OD + chc * 2) // 2).to(gl.float32)
+            acc += gl.where(ok, d * (256.0 * s - 384.0 * xs), 0.0)
+        _finish(gl.sum(acc, 1), out, res, pid, N, OUTS, WARPS, SILU, RESIDUAL)
+
+    KERNELS = {int(T.Q4_K): _q4k_kernel, int(T.Q6_K): _q6k_kernel, int(T.Q8_0): _q8_kernel}
+
+
+BLOCK_VALUES = {T.Q4_K: 256, T.Q6_K: 256, T.Q8_0: 32}
+PLANES = {T.Q4_K: ("OSC", "OD", "OM"), T.Q6_K: ("OH", "OSC", "OD"), T.Q8_0: ("OD",)}  # each kernel's offsets
 
 
 @functools.cache
 def plane_offsets(qtype: int, k: int) -> dict[str, int]:
     """The kernel's plane offsets for packed rows of k values (`blocks_decode.layout`)."""
-    lay = dict(zip(("OQ", "SQ", "OH", "SH", "OSC", "SSC", "OD", "SD", "OM", "SM"), layout(qtype, k // 256, True)))
-    return {key: lay[key] for key in (("OSC", "OD", "OM") if qtype == T.Q4_K else ("OH", "OSC", "OD"))}
+    lay = dict(zip(("OQ", "SQ", "OH", "SH", "OSC", "SSC", "OD", "SD", "OM", "SM"),
+                   layout(qtype, k // BLOCK_VALUES[qtype], True)))
+    return {key: lay[key] for key in PLANES[qtype]}
 
 
 def kq_gemv(x: torch.Tensor, blocks: torch.Tensor, qtype: int, *, norm_weight: torch.Tensor | None,
