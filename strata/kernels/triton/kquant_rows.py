@@ -161,6 +161,21 @@ if gl is not None:
         return gl.where(valid, wrow, 0).to(gl.int64) * RS
 
     @gluon.jit
+    def _rows_and_chunks(pid, N, BN: gl.constexpr, OUTS: gl.constexpr, CH: gl.constexpr,
+                         RS: gl.constexpr, SILU: gl.constexpr, L: gl.constexpr):
+        """For a [rows, chunks, 8 words] layout L: the rows' byte offsets [BN, 1] and word offsets
+        [BN, 1, 1], the chunk index [1, CH] of the weights' view, and the chunk index [CH] and
+        word index [1, 8] of the inputs' view ([BN, CH, 8] weights broadcast against it: j3)."""
+        L2: gl.constexpr = gl.SliceLayout(2, L)
+        LX: gl.constexpr = gl.SliceLayout(0, L)
+        rb = gl.expand_dims(_row_bytes(pid, N, BN, OUTS, RS, SILU, L2), 1)
+        rw = gl.expand_dims(rb // 4, 2)
+        c2 = gl.expand_dims(gl.arange(0, CH, layout=gl.SliceLayout(0, L2)), 0)
+        cx = gl.arange(0, CH, layout=gl.SliceLayout(1, LX))
+        jx = gl.expand_dims(gl.arange(0, 8, layout=gl.SliceLayout(0, LX)), 0)
+        return rb, rw, c2, cx, jx, gl.expand_dims(jx, 0)
+
+    @gluon.jit
     def _finish(y, out, res, pid, N, OUTS: gl.constexpr, WARPS: gl.constexpr, SILU: gl.constexpr,
                 RESIDUAL: gl.constexpr):
         """The rows' sums rounded to bf16, then silu(gate) * up, the residual, the store: as
@@ -194,12 +209,7 @@ if gl is not None:
         OUTS: gl.constexpr = BN // 2 if SILU else BN
         _after_previous(PDL)
         pid = gl.program_id(0)
-        rb = gl.expand_dims(_row_bytes(pid, N, BN, OUTS, RS, SILU, L2), 1)  # [BN, 1] bytes
-        rw = gl.expand_dims(rb // 4, 2)  # [BN, 1, 1] words
-        c2 = gl.expand_dims(gl.arange(0, CH, layout=gl.SliceLayout(0, L2)), 0)
-        cx = gl.arange(0, CH, layout=gl.SliceLayout(1, LX))
-        jx = gl.expand_dims(gl.arange(0, 8, layout=gl.SliceLayout(0, LX)), 0)
-        j3 = gl.expand_dims(jx, 0)
+        rb, rw, c2, cx, jx, j3 = _rows_and_chunks(pid, N, BN, OUTS, CH, RS, SILU, L)
         one = gl.full([BN, CH, 8], 0x3F800000, gl.uint32, layout=L)
         xw = x.to(gl.pointer_type(gl.int64), bitcast=True)
         bw = b.to(gl.pointer_type(gl.uint32), bitcast=True)
@@ -335,12 +345,7 @@ if gl is not None:
         OUTS: gl.constexpr = BN // 2 if SILU else BN
         _after_previous(PDL)
         pid = gl.program_id(0)
-        rb = gl.expand_dims(_row_bytes(pid, N, BN, OUTS, RS, SILU, L2), 1)  # [BN, 1] bytes
-        rw = gl.expand_dims(rb // 4, 2)  # [BN, 1, 1] words
-        c2 = gl.expand_dims(gl.arange(0, CH, layout=gl.SliceLayout(0, L2)), 0)
-        cx = gl.arange(0, CH, layout=gl.SliceLayout(1, LX))
-        jx = gl.expand_dims(gl.arange(0, 8, layout=gl.SliceLayout(0, LX)), 0)
-        j3 = gl.expand_dims(jx, 0)
+        rb, rw, c2, cx, jx, j3 = _rows_and_chunks(pid, N, BN, OUTS, CH, RS, SILU, L)
         one = gl.full([BN, CH, 8], 0x3F800000, gl.uint32, layout=L)
         xw = x.to(gl.pointer_type(gl.int64), bitcast=True)
         bw = b.to(gl.pointer_type(gl.uint32), bitcast=True)
