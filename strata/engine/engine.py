@@ -301,7 +301,8 @@ class Engine:
         else:
             n = int(slots)
         self.expert_stats = CacheStats()
-        mapped = self.config.expert_misses == "mapped"
+        # mapped: decode steps of up to `parallel` lanes of 1 + spec rows, padded as graphs pad them
+        mapped = 2 * self.config.parallel * (1 + max(self.config.spec, 0)) if self.config.expert_misses == "mapped" else 0
         if mapped and self.device.type != "cuda":
             raise BadRequest(f"--expert-misses mapped reads host memory from a GPU; the device is {self.device}",
                              "expert_misses")

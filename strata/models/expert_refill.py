@@ -26,9 +26,10 @@ copy is done (a query, never a wait). Every expert is thus read either from
 its complete slot or from its host copy, the same bits, by the same kernels
 and launch shapes as with every expert resident.
 
-Steps of more rows than the log holds (long prompts) take the cache's copy
-path (`ExpertCache.forward`); it finishes the refill's copies first
-(`settle`) and publishes its slots afterwards (`publish`).
+Steps of more rows than a decode step has (prompt pieces) take the cache's
+copy path (`ExpertCache.forward`): it finishes the refill's copies first
+(`settle`), copies the step's misses in, and publishes its slots afterwards
+(`publish`).
 """
 
 from __future__ import annotations
@@ -46,7 +47,6 @@ from strata.kv.expert_residency import admit, evict_order
 if TYPE_CHECKING:
     from strata.models.experts import ExpertCache
 
-MAPPED_ROWS = 512  # rows a mapped step may have (decode steps, short prompt pieces); more take the copy path
 RING = 4  # pinned host buffers for logs and tables in flight
 
 
@@ -72,14 +72,18 @@ class ExpertRefill:
     """The between-steps half of mapped expert reads for a model's cached layers (module docstring).
 
     `caches`: every cached layer, in model order (each gets its log and table rows here);
-    `uploads`: experts copied into one layer's slots per step at most; `top_k`: pairs per token.
+    `uploads`: experts copied into one layer's slots per step at most; `top_k`: pairs per token;
+    `rows`: the most rows a mapped step has (decode steps, padded as CUDA graphs pad them: a
+    graph must never take the copy path); steps of more rows (prompt pieces) copy their misses in,
+    which reads each missing expert over the bus once rather than once per block of its pairs.
     """
 
-    def __init__(self, caches: list[ExpertCache], top_k: int, uploads: int, device: torch.device) -> None:
+    def __init__(self, caches: list[ExpertCache], top_k: int, uploads: int, device: torch.device,
+                 rows: int) -> None:
         if not caches:
             raise ValueError("ExpertRefill: no cached layers")
-        if uploads < 0:
-            raise ValueError(f"ExpertRefill: {uploads} uploads a step")
+        if uploads < 0 or rows < 1:
+            raise ValueError(f"ExpertRefill: {uploads} uploads a step, mapped steps of {rows} rows")
         experts = caches[0].num_experts
         if any(c.num_experts != experts for c in caches):
             raise ValueError("ExpertRefill: the cached layers have different numbers of experts")
@@ -88,7 +92,8 @@ class ExpertRefill:
         self.uploads = uploads
         self.device = device
         self.cuda = device.type == "cuda"
-        layers, self.capacity = len(caches), MAPPED_ROWS * top_k
+        self.rows = rows
+        layers, self.capacity = len(caches), rows * top_k
         self.logs = torch.zeros((layers, self.capacity), dtype=torch.int64, device=device)
         self.tables = torch.full((layers, experts), -1, dtype=torch.int64, device=device)
         self.table = np.full((layers, experts), -1, dtype=np.int64)  # what steps launched from now read
@@ -152,7 +157,7 @@ class ExpertRefill:
             moves = self._digest_one(self._logs.popleft(), wait=True)
         host = self._log_ring[self._next_log]
         self._next_log = (self._next_log + 1) % RING
-        host[:, :pairs].copy_(self.logs[:, :pairs], non_blocking=self.cuda)
+        host.copy_(self.logs, non_blocking=self.cuda)  # whole (contiguous): one copy, the other direction
         arrived = torch.cuda.current_stream(self.device).record_event() if self.cuda else None
         self._logs.append(_Log(host, pairs, arrived, read))
         return moves

@@ -166,6 +166,9 @@ class ExpertCache(nn.Module):
             return self._copied(x, ids, weights)
         if self.refill.takes(int(x.shape[0])):
             return self._mapped(x, ids, weights)
+        if x.is_cuda and torch.cuda.is_current_stream_capturing():
+            raise RuntimeError(f"a captured step of {x.shape[0]} rows: mapped expert reads take at most "
+                               f"{self.refill.rows} (the copy path reads the routing on the host)")
         self.refill.settle()
         y = self._copied(x, ids, weights)
         self.refill.publish(self.index)
@@ -331,12 +334,12 @@ def uploads_and_host(misses: list[int], routed: list[int], cap: int | None) -> t
 
 def install_expert_cache(model: nn.Module, slots: int, device: torch.device, stats: CacheStats,
                          policy: str = DEFAULT_POLICY, max_uploads: int | None = None,
-                         prefetch: bool = False, mapped: bool = False) -> ExpertRefill | None:
+                         prefetch: bool = False, mapped: int = 0) -> ExpertRefill | None:
     """Replace every sparse layer's experts (loaded to the host) by an ExpertCache of `slots`;
     `prefetch`: each cache predicts and copies in the next cached layer's experts (`look_ahead`);
-    `mapped`: misses read in place, the copies between steps: returns the ExpertRefill the
-    runner calls after each step (`max_uploads`: its copies per layer and step, default
-    `DEFAULT_MAPPED_UPLOADS`)."""
+    `mapped`: misses of steps of at most this many rows read in place, the copies between steps
+    (0: off): returns the ExpertRefill the runner calls after each step (`max_uploads`: its
+    copies per layer and step, default `DEFAULT_MAPPED_UPLOADS`)."""
     cached = []
     for i, layer in enumerate(model.layers):
         experts = getattr(layer.mlp, "experts", None)
@@ -355,7 +358,7 @@ def install_expert_cache(model: nn.Module, slots: int, device: torch.device, sta
     if not mapped or not cached:
         return None
     uploads = DEFAULT_MAPPED_UPLOADS if max_uploads is None else max_uploads
-    return ExpertRefill([mlp.experts for mlp in cached], cached[0].top_k, uploads, device)
+    return ExpertRefill([mlp.experts for mlp in cached], cached[0].top_k, uploads, device, mapped)
 
 
 def one_expert_bytes(tensors: list[torch.Tensor]) -> int:

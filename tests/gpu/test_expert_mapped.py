@@ -18,10 +18,12 @@ from gguf import GGMLQuantizationType as T
 
 from strata.kernels.triton import moe_blocks
 from strata.models.block_experts import BlockExperts
-from strata.models.expert_refill import MAPPED_ROWS, ExpertRefill
+from strata.models.expert_refill import ExpertRefill
 from strata.models.experts import CacheStats, ExpertCache
 from strata.models.moe import SparseMLP
 from tests.gpu.test_block_kernels import make_blocks
+
+ROWS = 32  # the most rows of a mapped step here
 
 
 def _layer(hidden: int, ffn: int, qtype: int | None) -> SparseMLP:
@@ -57,7 +59,7 @@ def _mapped(ref: SparseMLP, slots: int, uploads: int) -> tuple[SparseMLP, Expert
     stats = CacheStats()
     cache = ExpertCache(mlp.experts.math, mlp.experts.tensors(), slots, DEV, 0, stats, fused=True)
     mlp.hold_experts(cache)
-    return mlp, ExpertRefill([cache], mlp.top_k, uploads, DEV), stats
+    return mlp, ExpertRefill([cache], mlp.top_k, uploads, DEV, ROWS), stats
 
 
 @pytest.mark.parametrize("qtype", [None, T.Q4_K], ids=["bf16", "Q4_K"])
@@ -83,10 +85,10 @@ def test_a_long_step_takes_the_copy_path_and_publishes() -> None:
     mlp, refill, stats = _mapped(ref, slots=8, uploads=1)
     g = torch.Generator().manual_seed(8)
     with torch.inference_mode():
-        for rows in (1, MAPPED_ROWS + 1, 1, 1):
+        for rows in (1, ROWS + 1, 1, 1):
             x = torch.randn(rows, 64, generator=g).to(DEV, torch.bfloat16)
             assert torch.equal(mlp.forward(x), ref.forward(x))
-            if rows > MAPPED_ROWS:
+            if rows > ROWS:
                 assert refill.table[0].tolist() == mlp.experts.slot_of and len(mlp.experts.resident()) == 8
                 reads = stats.mapped_reads
             refill.after_step(rows)

@@ -14,11 +14,12 @@ import torch
 
 from strata.errors import BadRequest
 from strata.kv.expert_residency import ExpertUsage, admit
-from strata.models.expert_refill import MAPPED_ROWS, ExpertRefill
+from strata.models.expert_refill import ExpertRefill
 from strata.models.experts import CacheStats, ExpertCache
 from strata.models.moe import DenseMath
 
 E, H, I, K = 8, 16, 16, 2
+ROWS = 16  # the most rows of a mapped step
 CPU = torch.device("cpu")
 
 
@@ -31,7 +32,7 @@ def _cache(layer: int, slots: int, stats: CacheStats, fused: bool = True) -> Exp
 def _refill(slots: int = 3, uploads: int = 1, layers: int = 2) -> tuple[ExpertRefill, CacheStats]:
     stats = CacheStats()
     caches = [_cache(j, slots, stats) for j in range(layers)]
-    return ExpertRefill(caches, K, uploads, CPU), stats
+    return ExpertRefill(caches, K, uploads, CPU, ROWS), stats
 
 
 def _step(refill: ExpertRefill, routing: list[list[list[int]]]) -> None:
@@ -107,8 +108,8 @@ def test_victims_are_unmapped_before_their_slot_is_written() -> None:
 def test_long_steps_are_not_logged() -> None:
     """A step of more rows than the log holds took the copy path, which counts for itself."""
     refill, stats = _refill()
-    refill.after_step(MAPPED_ROWS + 1)
-    assert stats.misses == 0 and not refill.takes(MAPPED_ROWS + 1) and refill.takes(MAPPED_ROWS)
+    refill.after_step(ROWS + 1)
+    assert stats.misses == 0 and not refill.takes(ROWS + 1) and refill.takes(ROWS)
 
 
 def test_copy_path_settles_and_publishes() -> None:
@@ -116,9 +117,9 @@ def test_copy_path_settles_and_publishes() -> None:
     refill, stats = _refill(slots=3, uploads=1, layers=1)
     _step(refill, [[[4, 5]]])
     cache = refill.caches[0]
-    x = torch.randn(MAPPED_ROWS + 1, H)
-    ids = torch.tensor([[1, 2]] * (MAPPED_ROWS + 1))
-    weights = torch.full((MAPPED_ROWS + 1, 2), 0.5)
+    x = torch.randn(ROWS + 1, H)
+    ids = torch.tensor([[1, 2]] * (ROWS + 1))
+    weights = torch.full((ROWS + 1, 2), 0.5)
     with torch.inference_mode():
         cache.forward(x, ids, weights)
     assert {1, 2} <= set(cache.resident())
@@ -138,8 +139,8 @@ def test_admit_follows_the_policy() -> None:
 def test_refused_where_it_cannot_read_in_place() -> None:
     stats = CacheStats()
     with pytest.raises(BadRequest, match="fused kernels"):
-        ExpertRefill([_cache(0, 2, stats, fused=False)], K, 1, CPU)
+        ExpertRefill([_cache(0, 2, stats, fused=False)], K, 1, CPU, ROWS)
     capped = ExpertCache(DenseMath(), [torch.zeros(E, I, H)] * 2 + [torch.zeros(E, H, I)], 2, CPU, 0, stats,
                          max_uploads=1, fused=True)
     with pytest.raises(BadRequest, match="expert-uploads"):
-        ExpertRefill([capped], K, 1, CPU)
+        ExpertRefill([capped], K, 1, CPU, ROWS)
