@@ -117,7 +117,7 @@ class ExpertRefill:
     # ---- the step's side -------------------------------------------------------------
     def takes(self, rows: int) -> bool:
         """Whether a step of `rows` rows reads its misses in place (else the copy path)."""
-        return rows * self.top_k <= self.capacity
+        return rows <= self.rows
 
     def after_step(self, rows: int) -> None:
         """The runner launched a step of `rows` real rows: fetch its log, act on the logs that have
