@@ -1,4 +1,4 @@
-"""One-row products of packed Q4_K (and Q6_K) blocks by group sums, in Gluon (one-lane decode).
+"""One-row products of packed Q4_K, Q6_K and Q8_0 blocks by group sums, in Gluon (one-lane decode).
 
 `blocks.block_gemv` decodes every weight to its float32 value and multiplies
 it: 8-26 instructions a weight by the compiled code (`tools/kernel_sass.py`),
@@ -24,7 +24,8 @@ and the 64 matching bf16 inputs as 64-bit words, so the inputs are converted
 once for all the rows a thread owns and the quants load as 16-byte vectors.
 Inputs must be bf16 and the blocks packed (`blocks_decode.pack`); anything
 else takes `blocks.block_gemv`'s kernel (`takes`). Q6_K (`_q6k_kernel`) is
-the same with `1 + q / 64` over groups of 16.
+the same with `1 + q / 64` over groups of 16, Q8_0 (`_q8_kernel`) with
+`1 + (q + 128) / 256` over its blocks of 32.
 """
 
 from __future__ import annotations
