@@ -333,7 +333,9 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
     e.add_argument("--expert-uploads", type=count_arg, default=d.expert_uploads, metavar="N",
                    help="with --expert-cache: experts copied into a layer's slots per step at most; "
                         "the other misses (those with the fewest tokens) are computed on the host "
-                        "meanwhile, with the host's kernels (default: every miss is copied)")
+                        "meanwhile, with the host's kernels (default: every miss is copied); with "
+                        "--expert-misses mapped: copies between steps a layer (default 2), the "
+                        "misses read in place")
     e.add_argument("--expert-prefetch", action="store_true", default=d.expert_prefetch,
                    help="with --expert-cache: each layer predicts the next layer's experts (its "
                         "router on this layer's input) and copies them in while it computes "
