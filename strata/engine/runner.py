@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from typing import Protocol
 
 import torch
 
@@ -10,6 +10,15 @@ from strata.attention.select import HAVE_TRITON, backend_for, graphs_possible
 from strata.kv.pool import KvPool
 from strata.kv.state import StatePool
 from strata.kv.step import SeqSpec, sampled_rows, step_positions
+
+
+class StepHooks(Protocol):
+    """What the runner tells about each step it launches (the expert refill of `--expert-misses
+    mapped`, models/expert_refill.py): the step's real row count, before and after its launch."""
+
+    def before_step(self, rows: int) -> None: ...
+
+    def after_step(self, rows: int) -> None: ...
 
 
 def graphs_factory() -> type | None:
@@ -25,21 +34,20 @@ class Runner:
     def __init__(self, model: torch.nn.Module, pool: KvPool, scale: float, device: torch.device,
                  graphs: bool = True, states: StatePool | None = None, windowed: bool = False,
                  rows_per_lane: int = 1, keep_hidden: bool = False,
-                 after_step: Callable[[int], None] | None = None) -> None:
+                 hooks: StepHooks | None = None) -> None:
         """states: a recurrent model's per-lane state (`kv/state.py`); its steps run eagerly.
         windowed: a pool layer attends within a sliding window (`select.backend_for`).
         rows_per_lane: 1 + the most drafts a lane verifies in a step (graphs are sized for them).
         keep_hidden: keep an eager step's final hidden states, every row, in `hidden` (the MTP
         head reads them: engine/mtp.py).
-        after_step: called with a step's real row count once it is launched (the expert refill of
-        `--expert-misses mapped`, models/expert_refill.py)."""
+        hooks: told each step's real row count before and after it is launched (`StepHooks`)."""
         self.model = model
         self.states = states
         self.pool = pool
         self.scale = scale
         self.device = device
         self.keep_hidden = keep_hidden
-        self.after_step = after_step
+        self.hooks = hooks
         self.hidden: torch.Tensor | None = None  # the last eager step's, with keep_hidden
         self.context = backend_for(pool, windowed)  # the attention backend of every step (attention/select.py)
         self.graphs = None  # CUDA graphs of decode steps (prompt reading stays eager)
@@ -69,18 +77,22 @@ class Runner:
         """
         if self.graphs is not None and self.graphs.supports(seqs, [True] * len(seqs)):
             self.hidden = None
+            if self.hooks is not None:
+                self.hooks.before_step(len(seqs))
             logits = self.graphs.forward(seqs, [0] * len(seqs), device_ids=ids)
-            if self.after_step is not None:
-                self.after_step(len(seqs))
+            if self.hooks is not None:
+                self.hooks.after_step(len(seqs))
             return logits
         return self.forward(seqs, ids.tolist(), [True] * len(seqs))
 
     @torch.inference_mode()
     def forward(self, seqs: list[SeqSpec], tokens: list[int], sample: list[int]) -> torch.Tensor:
         """Logits (float32) of the rows `sampled_rows(seqs, sample)` names, in order."""
+        if self.hooks is not None:
+            self.hooks.before_step(len(tokens))
         logits = self._forward(seqs, tokens, sample)
-        if self.after_step is not None:
-            self.after_step(len(tokens))
+        if self.hooks is not None:
+            self.hooks.after_step(len(tokens))
         return logits
 
     def _forward(self, seqs: list[SeqSpec], tokens: list[int], sample: list[int]) -> torch.Tensor:

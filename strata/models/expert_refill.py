@@ -48,6 +48,7 @@ if TYPE_CHECKING:
     from strata.models.experts import ExpertCache
 
 RING = 4  # pinned host buffers for logs and tables in flight
+PADDING = 1 << 29  # a padding row's k "experts": PADDING + j, no expert's id (align skips them)
 
 
 @dataclass
@@ -93,6 +94,9 @@ class ExpertRefill:
         self.device = device
         self.cuda = device.type == "cuda"
         self.rows = rows
+        self.valid = torch.full((1,), rows, dtype=torch.int64, device=device)  # the step's real rows
+        self.row_index = torch.arange(rows, dtype=torch.int64, device=device)[:, None]
+        self.padding = PADDING + torch.arange(top_k, dtype=torch.int64, device=device)
         layers, self.capacity = len(caches), rows * top_k
         self.logs = torch.zeros((layers, self.capacity), dtype=torch.int64, device=device)
         self.tables = torch.full((layers, experts), -1, dtype=torch.int64, device=device)
@@ -118,6 +122,18 @@ class ExpertRefill:
     def takes(self, rows: int) -> bool:
         """Whether a step of `rows` rows reads its misses in place (else the copy path)."""
         return rows <= self.rows
+
+    def before_step(self, rows: int) -> None:
+        """The runner is about to launch a step of `rows` real rows: a CUDA graph pads the lanes,
+        and the padding rows must read no expert (from the host, each would cost a read over
+        the bus), so the step's real row count goes to the device first (stream-ordered)."""
+        if self.takes(rows):
+            self.valid.fill_(rows)
+
+    def unpadded(self, ids: torch.Tensor) -> torch.Tensor:
+        """ids [T, k] with the rows past the step's real ones routed to no expert (`PADDING`):
+        no block of pairs, no read, nothing logged; their outputs are garbage nobody reads."""
+        return torch.where(self.row_index[: ids.shape[0]] < self.valid, ids, self.padding)
 
     def after_step(self, rows: int) -> None:
         """The runner launched a step of `rows` real rows: fetch its log, act on the logs that have
@@ -177,6 +193,8 @@ class ExpertRefill:
         moves = []
         for j, cache in enumerate(self.caches):
             need, count = np.unique(routed[j], return_counts=True)
+            real = need < cache.num_experts  # not a padding row's
+            need, count = need[real], count[real]
             seen = log.tables[j][need] >= 0
             cache.stats.hits += int(seen.sum())
             cache.stats.misses += int((~seen).sum())

@@ -176,7 +176,8 @@ class ExpertCache(nn.Module):
 
     def _mapped(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
         """Every expert read from its slot or its host copy, by the table (no host read)."""
-        assert self.log is not None
+        assert self.log is not None and self.refill is not None
+        ids = self.refill.unpadded(ids)
         self.log[: ids.numel()].copy_(ids.reshape(-1))
         launch = self.math.config(self.host_tensors(), int(x.shape[0]), int(ids.shape[1]), x.dtype)  # all E's
         return self.math.mapped(x, self.slot_tensors(), self.host_tensors(), self.table, ids, weights, launch)

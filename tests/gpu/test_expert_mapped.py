@@ -104,3 +104,21 @@ def test_a_wrong_host_copy_shows() -> None:
         ids, _ = ref.route(x)
         mlp.experts.host_tensors()[0][int(ids[0, 0])] *= 1.5
         assert not torch.equal(mlp.forward(x), ref.forward(x))
+
+
+def test_padding_rows_read_no_expert() -> None:
+    """A step padded as a CUDA graph pads it: the real rows give the resident bits, the padding
+    rows log no expert, and their experts are neither read nor counted."""
+    ref = _layer(64, 64, None)
+    mlp, refill, stats = _mapped(ref, slots=2, uploads=0)
+    x = torch.randn(8, 64, generator=torch.Generator().manual_seed(10)).to(DEV, torch.bfloat16)
+    with torch.inference_mode():
+        refill.before_step(3)
+        y = mlp.forward(x)
+        assert torch.equal(y[:3], ref.forward(x[:3]))
+        logged = refill.logs[0, : 8 * mlp.top_k].view(8, mlp.top_k)
+        assert bool((logged[3:] >= mlp.experts.num_experts).all())
+        assert bool((logged[:3] < mlp.experts.num_experts).all())
+        refill.after_step(3)
+        need = len(set(ref.route(x[:3])[0].reshape(-1).tolist()))
+    assert stats.hits + stats.misses == need

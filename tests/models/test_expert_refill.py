@@ -14,7 +14,7 @@ import torch
 
 from strata.errors import BadRequest
 from strata.kv.expert_residency import ExpertUsage, admit
-from strata.models.expert_refill import ExpertRefill
+from strata.models.expert_refill import PADDING, ExpertRefill
 from strata.models.experts import CacheStats, ExpertCache
 from strata.models.moe import DenseMath
 
@@ -103,6 +103,28 @@ def test_victims_are_unmapped_before_their_slot_is_written() -> None:
         _step(refill, [[[2, 3], [2, 3]]])
         _consistent(refill)
     assert refill.caches[0].resident()[0] in (2, 3) and refill.table[0, first] < 0
+
+
+def test_padding_rows_are_not_counted() -> None:
+    """A graph's padding rows are routed to no expert (`PADDING` ids): nothing counted for them."""
+    refill, stats = _refill(layers=1)
+    pad = PADDING + torch.arange(K)
+    flat = torch.cat([torch.tensor([0, 1]), pad, pad])
+    refill.logs[0, : flat.numel()] = flat
+    refill.after_step(1)  # one real row: the log's rows past it are not even read
+    assert (stats.hits, stats.misses) == (0, 2)
+    refill.logs[0, : flat.numel()] = torch.cat([pad, torch.tensor([2, 3]), pad])
+    refill.after_step(3)  # had they been read, the padding ids would have to be skipped
+    assert stats.misses == 4 and stats.token_layers == 4
+
+
+def test_padding_rows_route_to_no_expert() -> None:
+    refill, _ = _refill()
+    ids = torch.tensor([[1, 2], [3, 4], [5, 6]])
+    refill.before_step(2)
+    assert refill.unpadded(ids).tolist() == [[1, 2], [3, 4], [PADDING, PADDING + 1]]
+    refill.before_step(ROWS + 1)  # a copy-path step: the mapped steps' count stays
+    assert refill.unpadded(ids)[2, 0] == PADDING
 
 
 def test_long_steps_are_not_logged() -> None:
