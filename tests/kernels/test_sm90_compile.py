@@ -43,7 +43,7 @@ def _launch_all(fmt: str) -> list:
 
     def run() -> None:
         decode_attention(q, out, DecodeBatch(i, i, i + 4000, 32768), kh, vh, pool.tables_device,
-                         1024, 0.1, 132, rot)
+                         1024, 0.1, rot)
         prefill_attention(q, out, PrefillBatch(i, i, i, i, i + 1, i), kh, vh, pool.tables_device,
                           1024, 0.1, rot)
         if fmt == "bf16":
