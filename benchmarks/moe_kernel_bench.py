@@ -10,6 +10,10 @@ from a CUDA graph over enough copies of the weights that none is in L2
 
     python -m benchmarks.moe_kernel_bench --out moe.json
 
+`--mapped` adds, for T = 1 and 16, the same call with every expert read in place from
+pinned host memory (`--expert-misses mapped` with no expert in a slot: `moe.Mapped`), over
+host copies of about `--gib` too, so its GB/s is what the kernels read across the bus.
+
 `--shape tiny` (H 256, I 256, 8 experts, 2 a token, T = 1 and 4) runs anywhere the kernels
 do, the CPU under TRITON_INTERPRET=1 too (wall-clock time of one call, no graphs): a smoke run.
 """
@@ -66,7 +70,31 @@ def routing(t: int, e: int, k: int, dev: str, seed: int) -> tuple[torch.Tensor, 
     return ids.to(dev, torch.int32), torch.softmax(w, dim=1).to(dev, torch.bfloat16)
 
 
-def bench(shape: str, gib: float) -> list[dict[str, Any]]:
+def mapped_row(kind: str, ws: list[tuple], t: int, h: int, i: int, e: int, k: int, per_expert: int,
+               dev: str, graphs: bool) -> dict[str, Any]:
+    """One call with every expert read from a pinned host copy (no slot holds one)."""
+    from strata.models.block_experts import BlockMath
+    from strata.models.moe import DenseMath
+
+    pin = dev == "cuda"
+    hosts = [tuple(w.cpu().pin_memory() if pin else w.cpu() for w in c) for c in ws]
+    if kind == "bf16":
+        math, views = DenseMath(), hosts
+    else:
+        math = BlockMath((GATE_UP_TYPE, GATE_UP_TYPE, DOWN_TYPE), True)
+        views = [tuple(w.view(e, -1, w.shape[1]) for w in c) for c in hosts]
+    slots = [w[:1].to(dev) for w in views[0]]  # one slot, never used: the table maps none
+    table = torch.full((e,), -1, dtype=torch.int64, device=dev)
+    x = torch.randn(t, h, device=dev, dtype=torch.bfloat16)
+    ids, w = routing(t, e, k, dev, seed=t)
+    cfg = moe.default_config(t, e, h, i, k, x.dtype)
+    ms = _time(lambda c: math.mapped(x, slots, views[c], table, ids, w, cfg), len(views), graphs)
+    read = int(torch.unique(ids).numel()) * per_expert
+    return {"weights": kind, "reads": "host", "T": t, "H": h, "I": i, "E": e, "k": k, "config": list(cfg),
+            "ms": ms, "weight_bytes": read, "GB/s": read / (ms * 1e-3) / 1e9, "graphs": graphs}
+
+
+def bench(shape: str, gib: float, mapped: bool = False) -> list[dict[str, Any]]:
     s = SHAPES[shape]
     h, i, e, k = s["h"], s["i"], s["e"], s["k"]
     dev = "cpu" if INTERPRET else "cuda"
@@ -132,6 +160,9 @@ def bench(shape: str, gib: float) -> list[dict[str, Any]]:
                             "experts_read": experts, "weight_bytes": read,
                             "GB/s": read / (ms * 1e-3) / 1e9, "graphs": graphs})
             print(json.dumps(results[-1]), flush=True)
+            if mapped and t <= 16:
+                results.append(mapped_row(kind, ws, t, h, i, e, k, per_expert, dev, graphs))
+                print(json.dumps(results[-1]), flush=True)
     return results
 
 
@@ -139,9 +170,11 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--shape", choices=sorted(SHAPES), default="qwen3-30b-a3b")
     ap.add_argument("--gib", type=float, default=2.0, help="weight copies of about this size")
+    ap.add_argument("--mapped", action="store_true",
+                    help="also every expert read in place from pinned host memory (T <= 16)")
     ap.add_argument("--out", help="write the JSON list here too")
     a = ap.parse_args()
-    results = bench(a.shape, a.gib)
+    results = bench(a.shape, a.gib, a.mapped)
     if a.out:
         with open(a.out, "w") as f:
             json.dump(results, f, indent=1)
