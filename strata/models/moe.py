@@ -4,7 +4,8 @@ Qwen3-MoE, Qwen2-MoE and Mixtral route the same way (a softmax over the router's
 logits in float32, the top k, optionally renormalised to sum to 1, then
 rounded to the compute dtype); Qwen2-MoE adds a shared expert that every
 token takes, scaled by a sigmoid gate. The arithmetic follows Hugging Face's
-so its models are an oracle: each expert's output is multiplied by its
+so its models are an oracle (on CUDA the routing runs as one kernel whose
+float32 sums may differ from torch's in a last bit): each expert's output is multiplied by its
 weight in the compute dtype and the k products are summed in ascending
 expert order, rounding after each add (its `index_add_` over experts in
 turn). A token's result depends only on its own row, never on which other
@@ -35,8 +36,9 @@ from strata.models.dense import MLP, Linear, stable_linear
 
 try:  # the CPU machines and CI have no Triton
     from strata.kernels.triton import moe as triton_moe
+    from strata.kernels.triton import route as triton_route
 except ImportError:
-    triton_moe = None  # type: ignore[assignment]
+    triton_moe = triton_route = None  # type: ignore[assignment]
 
 Product = Callable[[int, torch.Tensor], torch.Tensor]  # (expert, rows [n, H]) -> SwiGLU rows [n, H]
 
@@ -62,7 +64,10 @@ class ExpertMath(Protocol):
 
 
 def route(logits: torch.Tensor, k: int, normalise: bool, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-    """Router logits [T, E] -> (expert ids [T, k] int64, weights [T, k] in `dtype`)."""
+    """Router logits [T, E] -> (expert ids [T, k] int64, weights [T, k] in `dtype`); on CUDA in
+    one launch (`kernels/triton/route.py`: the same steps, its float32 sums in its own order)."""
+    if triton_route is not None and logits.is_cuda and triton_route.takes(logits, k):
+        return triton_route.route(logits, k, normalise, dtype)
     probs = torch.softmax(logits, dim=-1, dtype=torch.float32)
     weights, ids = torch.topk(probs, k, dim=-1)
     if normalise:

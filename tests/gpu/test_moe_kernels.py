@@ -388,3 +388,27 @@ def test_mapped_reads_equal_resident(qtype: int | None) -> None:
     wrong[2] = 0  # expert 2 read from expert 4's slot
     assert bool((ids == 2).any()) and bool((ids == 5).any())  # slotted and host-read experts both used
     assert not torch.equal(products(*slots, maps(wrong)), resident)
+
+
+@pytest.mark.parametrize(("t", "e", "k", "normalise"), [(5, 8, 2, True), (3, 128, 8, True), (4, 60, 4, False),
+                                                         (1, 16, 1, False)])
+def test_route_follows_torch(t: int, e: int, k: int, normalise: bool) -> None:
+    """The fused router (`kernels/triton/route.py`): torch's experts in torch's order, weights within a
+    float32 step of torch's; a row's result does not depend on the other rows."""
+    from strata.kernels.triton import route as fused_route
+    from strata.models.moe import route as torch_route
+
+    logits = randn(t, e, dtype=torch.bfloat16, seed=e + k, scale=3.0)
+    want_ids, want_w = torch_route(logits.float().cpu(), k, normalise, torch.float32)
+    ids, w = fused_route.route(logits, k, normalise, torch.float32)
+    assert torch.equal(ids.cpu(), want_ids)
+    torch.testing.assert_close(w.cpu(), want_w, rtol=3e-7, atol=0)
+    ids16, w16 = fused_route.route(logits, k, normalise, torch.bfloat16)
+    assert torch.equal(ids16, ids) and torch.equal(w16, w.to(torch.bfloat16))
+    alone = [fused_route.route(logits[i : i + 1], k, normalise, torch.float32) for i in range(t)]
+    assert torch.equal(torch.cat([a for a, _ in alone]), ids) and torch.equal(torch.cat([b for _, b in alone]), w)
+    shifted = logits.clone()
+    shifted[0, ids[0, 0]] = shifted[0].min() - 1.0  # the control: the top expert made the last
+    assert int(fused_route.route(shifted, k, normalise, torch.float32)[0][0, 0]) != int(ids[0, 0])
+    with pytest.raises(ValueError, match="route"):
+        fused_route.route(logits, e + 1, normalise, torch.float32)
