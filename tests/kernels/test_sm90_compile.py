@@ -110,3 +110,14 @@ def test_fused_kernels_compile_for_sm90(dtype: torch.dtype) -> None:
         if k.name == "_silu_mul_kernel":  # IEEE division; libdevice's expf (its own fma range
             assert "div.rn.f32" in k.ptx and "div.full.f32" not in k.ptx  # reduction before ex2)
             assert re.search(r"\bfma\.rn", k.ptx)
+
+
+def test_moe_router_compiles_for_sm90() -> None:
+    """The fused router (`kernels/triton/route.py`) of a 128-expert, top-8 layer: no spills."""
+    from strata.kernels.triton import route
+
+    logits = torch.zeros(2, 128, dtype=torch.bfloat16)  # on the CPU: launched directly, not through `route`
+    ids, w = torch.empty(2, 8, dtype=torch.int64), torch.empty(2, 8, dtype=torch.bfloat16)
+    built = [compile_sm90(r) for r in launches(lambda: route._route_kernel[(2,)](
+        logits, ids, w, E=128, EP=128, K=8, KP=8, NORMALISE=True, num_warps=4))]
+    assert [k.name for k in built] == ["_route_kernel"] and built[0].spill_bytes == 0
