@@ -102,18 +102,10 @@ class BlockMath:
                table: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, config: object) -> torch.Tensor:
         """`all` with each expert read from its slot or its host copy (moe.DenseMath.mapped)."""
         assert triton_moe_blocks is not None and triton_moe is not None
-        bm, bn_gu, bn_d, warps, stages = config  # type: ignore[misc]
-        gate, up, down = (t.view(-1, t.shape[2]) for t in slots)
-        i, h, k = int(slots[0].shape[1]), int(slots[2].shape[1]), int(ids.shape[1])
-        a = triton_moe.align(ids, int(hosts[0].shape[0]), bm)
-        at = triton_moe.distance
-        act = triton_moe_blocks.expert_gate_up_blocks(
-            x, gate, up, int(self.qtypes[0]), i, a, k, self.packed, block_n=bn_gu, warps=warps, stages=stages,
-            mapped=triton_moe.Mapped(table, at(hosts[0], slots[0]), at(hosts[1], slots[1])))
-        y = triton_moe_blocks.expert_down_blocks(
-            act, down, int(self.qtypes[2]), h, a, k, self.packed, block_n=bn_d, warps=warps, stages=stages,
-            mapped=triton_moe.Mapped(table, at(hosts[2], slots[2]), 0))
-        return triton_moe.combine(y, ids, weights)
+        rows = [t.view(-1, t.shape[2]) for t in (*slots, *hosts)]
+        return triton_moe_blocks.moe_blocks(x, *rows[:3], int(self.qtypes[0]), int(self.qtypes[2]), ids, weights,
+                                            self.packed, config=config,  # type: ignore[arg-type]
+                                            host=triton_moe.HostCopies(table, *rows[3:]))
 
 
 class BlockExperts(nn.Module):

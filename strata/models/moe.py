@@ -167,18 +167,10 @@ class DenseMath:
     def mapped(self, x: torch.Tensor, slots: Sequence[torch.Tensor], hosts: Sequence[torch.Tensor],
                table: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, config: object) -> torch.Tensor:
         """`all` with each expert read from its slot (table[e] >= 0) or from its pinned host copy
-        (`triton_moe.Mapped`); `config`: the full layer's launch shape, so the bits are `all`'s."""
+        (`triton_moe.HostCopies`); `config`: the full layer's launch shape, so the bits are `all`'s."""
         assert triton_moe is not None
-        gate, up, down = slots
-        bm, bn_gu, bn_d, warps, stages = config  # type: ignore[misc]
-        k = int(ids.shape[1])
-        a = triton_moe.align(ids, int(hosts[0].shape[0]), bm)
-        at = triton_moe.distance
-        act = triton_moe.expert_gate_up(x, gate, up, a, k, block_n=bn_gu, warps=warps, stages=stages,
-                                        mapped=triton_moe.Mapped(table, at(hosts[0], gate), at(hosts[1], up)))
-        y = triton_moe.expert_down(act, down, a, k, block_n=bn_d, warps=warps, stages=stages,
-                                   mapped=triton_moe.Mapped(table, at(hosts[2], down), 0))
-        return triton_moe.combine(y, ids, weights)
+        return triton_moe.moe(x, *slots, ids, weights, config=config,  # type: ignore[arg-type]
+                              host=triton_moe.HostCopies(table, *hosts))
 
 
 class Experts(nn.Module):

@@ -46,7 +46,7 @@ from strata.kernels.triton.blocks_decode import decode
 from strata.kernels.triton.gemv import DTYPES, INTERPRET
 from strata.kernels.triton.numerics import exp
 
-__all__ = ["CONFIGS", "Aligned", "Mapped", "align", "combine", "distance", "expert_down",
+__all__ = ["CONFIGS", "Aligned", "HostCopies", "Mapped", "align", "combine", "distance", "expert_down",
            "expert_gate_up", "moe", "takes"]
 
 BLOCK_K = 128  # the one reduction tile: whole Q6_K halves, Q4_K / Q5_K group pairs, 4 Q8_0 blocks
@@ -77,6 +77,21 @@ class Mapped(NamedTuple):
     table: torch.Tensor  # int [E] on the device: expert -> slot, -1 where it is read from the host
     w: int  # the host copy of the weights minus the slots, in elements (bytes for blocks)
     u: int  # the same for the up weights (gate/up), else 0
+
+
+class HostCopies(NamedTuple):
+    """Every expert's weights in pinned host memory, laid out as the weights `moe` / `moe_blocks`
+    are given (there: device slots), and the table of which expert which slot holds."""
+
+    table: torch.Tensor  # int [E] on the device: expert -> slot, -1 where it is read from the host
+    gate: torch.Tensor
+    up: torch.Tensor
+    down: torch.Tensor
+
+    def mapped(self, gate: torch.Tensor, up: torch.Tensor, down: torch.Tensor) -> tuple[Mapped, Mapped]:
+        """The gate/up and the down launches' `Mapped` for these slots."""
+        return (Mapped(self.table, distance(self.gate, gate), distance(self.up, up)),
+                Mapped(self.table, distance(self.down, down), 0))
 
 
 def distance(host: torch.Tensor, slots: torch.Tensor) -> int:
@@ -413,14 +428,18 @@ def combine(y: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor)
 
 def moe(x: torch.Tensor, gate: torch.Tensor, up: torch.Tensor, down: torch.Tensor,
         topk_ids: torch.Tensor, topk_weights: torch.Tensor, block_m: int | None = None, *,
-        config: Config | None = None) -> torch.Tensor:
+        config: Config | None = None, host: HostCopies | None = None) -> torch.Tensor:
     """out [T, H] of the experts topk_ids [T, k] chose, weighted by topk_weights (x's dtype):
-    align, expert_gate_up, expert_down, combine. block_m or config override the launch rule."""
+    align, expert_gate_up, expert_down, combine. block_m or config override the launch rule.
+    host: gate, up and down are device slots, and every expert is read from its slot or from
+    its host copy (`--expert-misses mapped`)."""
     _check(x, "moe", gate, up, down)
-    e, i, h = gate.shape
+    _, i, h = gate.shape
+    e = int((host.gate if host is not None else gate).shape[0])
     k = topk_ids.shape[1]
     bm, bn_gu, bn_d, warps, stages = config or default_config(x.shape[0], e, h, i, k, x.dtype)
     aligned = align(topk_ids, e, block_m or bm)
-    act = launch_experts(x, gate, up, aligned, k, i, True, DENSE_TYPE, bn_gu, warps, stages)
-    y = launch_experts(act, down, None, aligned, k, h, False, DENSE_TYPE, bn_d, warps, stages)
+    m_gu, m_d = host.mapped(gate, up, down) if host is not None else (None, None)
+    act = launch_experts(x, gate, up, aligned, k, i, True, DENSE_TYPE, bn_gu, warps, stages, m_gu)
+    y = launch_experts(act, down, None, aligned, k, h, False, DENSE_TYPE, bn_d, warps, stages, m_d)
     return combine(y, topk_ids, topk_weights)

@@ -25,6 +25,7 @@ from strata.kernels.triton.blocks_decode import TYPES, takes
 from strata.kernels.triton.moe import (
     Aligned,
     Config,
+    HostCopies,
     Mapped,
     align,
     combine,
@@ -96,9 +97,11 @@ def takes_blocks(x: torch.Tensor, gate_qtype: int, down_qtype: int, i: int) -> b
 def moe_blocks(x: torch.Tensor, gate_blocks: torch.Tensor, up_blocks: torch.Tensor,
                down_blocks: torch.Tensor, gate_qtype: int, down_qtype: int,
                topk_ids: torch.Tensor, topk_weights: torch.Tensor, packed: bool,
-               block_m: int | None = None, *, config: Config | None = None) -> torch.Tensor:
+               block_m: int | None = None, *, config: Config | None = None,
+               host: HostCopies | None = None) -> torch.Tensor:
     """moe.moe with the experts in blocks: gate and up [E * I, ...] of gate_qtype, down
-    [E * H, ...] of down_qtype (E, I from the shapes)."""
+    [E * H, ...] of down_qtype (E, I from the shapes; with host, the blocks are slots and E is
+    the host copies')."""
     h = x.shape[1]
     bt = TYPES.get(down_qtype)
     row = down_blocks.shape[1] if down_blocks.dim() == 2 else 0
@@ -108,15 +111,16 @@ def moe_blocks(x: torch.Tensor, gate_blocks: torch.Tensor, up_blocks: torch.Tens
         raise ValueError(f"moe_blocks: x {tuple(x.shape)} {x.dtype}, gate/up "
                          f"{tuple(gate_blocks.shape)} of {gate_qtype}, down "
                          f"{tuple(down_blocks.shape)} of {down_qtype}")
-    e = gate_blocks.shape[0] // i
+    e = (host.gate if host is not None else gate_blocks).shape[0] // i
     k = topk_ids.shape[1]
     t = x.shape[0]
     bm, bn_gu, bn_d, warps, stages = config or BLOCK_CONFIGS.get(
         (t_bucket(t), e, h, i, int(gate_qtype), int(down_qtype))) or default_config(
         t, e, h, i, k, x.dtype)
     aligned = align(topk_ids, e, block_m or bm)
+    m_gu, m_d = host.mapped(gate_blocks, up_blocks, down_blocks) if host is not None else (None, None)
     act = expert_gate_up_blocks(x, gate_blocks, up_blocks, gate_qtype, i, aligned, k, packed,
-                                block_n=bn_gu, warps=warps, stages=stages)
+                                block_n=bn_gu, warps=warps, stages=stages, mapped=m_gu)
     y = expert_down_blocks(act, down_blocks, down_qtype, h, aligned, k, packed, block_n=bn_d,
-                           warps=warps, stages=stages)
+                           warps=warps, stages=stages, mapped=m_d)
     return combine(y, topk_ids, topk_weights)
