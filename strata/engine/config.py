@@ -16,13 +16,13 @@ import strata
 from strata.engine.threads import parse_threads
 from strata.errors import BadRequest
 from strata.kv.expert_residency import POLICIES
-
-EXPERT_MISSES = ("copy", "mapped")  # --expert-misses
 from strata.kv.formats import FORMAT_NAMES
 from strata.models.loader import resolve_device
 from strata.models.quantize import WEIGHT_MODES
 from strata.parallel.build import LocalSplit, RemoteSplit
 from strata.parallel.plan import parse_devices
+
+EXPERT_MISSES = ("copy", "mapped")  # --expert-misses
 
 
 @dataclass
@@ -520,9 +520,10 @@ def expert_slots(config: EngineConfig) -> str | None:
                          "not take --expert-prefetch", "expert_misses")
     if config.expert_cache is not None:
         try:
-            return expert_cache_arg(str(config.expert_cache))
+            slots = expert_cache_arg(str(config.expert_cache))
         except argparse.ArgumentTypeError as e:
             raise BadRequest(f"--expert-cache {e}", "expert_cache") from None
+        return _mapped_on_a_gpu(config, slots)
     if config.experts_on != "host" and config.expert_uploads is not None:
         raise BadRequest("--expert-uploads caps an expert cache's copies: give --expert-cache too",
                          "expert_uploads")
@@ -532,7 +533,15 @@ def expert_slots(config: EngineConfig) -> str | None:
     if config.experts_on != "host" and config.expert_prefetch:
         raise BadRequest("--expert-prefetch fills an expert cache's slots: give --expert-cache too",
                          "expert_prefetch")
-    return "auto" if config.experts_on == "host" else None
+    return _mapped_on_a_gpu(config, "auto") if config.experts_on == "host" else None
+
+
+def _mapped_on_a_gpu(config: EngineConfig, slots: str) -> str:
+    """`slots`, once `--expert-misses mapped` is known to have a GPU to read host memory from."""
+    if config.expert_misses == "mapped" and resolve_device(config.device, str(config.model)).type != "cuda":
+        raise BadRequest(f"--expert-misses mapped reads host memory from a GPU; the device is {config.device}",
+                         "expert_misses")
+    return slots
 
 
 def threads_arg(text: str) -> int | None:

@@ -302,10 +302,8 @@ class Engine:
             n = int(slots)
         self.expert_stats = CacheStats()
         # mapped: decode steps of up to `parallel` lanes of 1 + spec rows, padded as graphs pad them
-        mapped = 2 * self.config.parallel * (1 + max(self.config.spec, 0)) if self.config.expert_misses == "mapped" else 0
-        if mapped and self.device.type != "cuda":
-            raise BadRequest(f"--expert-misses mapped reads host memory from a GPU; the device is {self.device}",
-                             "expert_misses")
+        config = self.config
+        mapped = 2 * config.parallel * (1 + max(config.spec, 0)) if config.expert_misses == "mapped" else 0
         self.expert_refill = install_expert_cache(model, n, self.device, self.expert_stats, self.config.expert_policy,
                                                   self.config.expert_uploads, self.config.expert_prefetch, mapped)
         log.info("%s", describe_cache(model, self.device))

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Protocol
 
 import torch
@@ -77,22 +78,21 @@ class Runner:
         """
         if self.graphs is not None and self.graphs.supports(seqs, [True] * len(seqs)):
             self.hidden = None
-            if self.hooks is not None:
-                self.hooks.before_step(len(seqs))
-            logits = self.graphs.forward(seqs, [0] * len(seqs), device_ids=ids)
-            if self.hooks is not None:
-                self.hooks.after_step(len(seqs))
-            return logits
+            return self._told(len(seqs), lambda: self.graphs.forward(seqs, [0] * len(seqs), device_ids=ids))
         return self.forward(seqs, ids.tolist(), [True] * len(seqs))
 
     @torch.inference_mode()
     def forward(self, seqs: list[SeqSpec], tokens: list[int], sample: list[int]) -> torch.Tensor:
         """Logits (float32) of the rows `sampled_rows(seqs, sample)` names, in order."""
-        if self.hooks is not None:
-            self.hooks.before_step(len(tokens))
-        logits = self._forward(seqs, tokens, sample)
-        if self.hooks is not None:
-            self.hooks.after_step(len(tokens))
+        return self._told(len(tokens), lambda: self._forward(seqs, tokens, sample))
+
+    def _told(self, rows: int, launch: Callable[[], torch.Tensor]) -> torch.Tensor:
+        """launch() with the hooks told of its `rows` real rows before and after."""
+        if self.hooks is None:
+            return launch()
+        self.hooks.before_step(rows)
+        logits = launch()
+        self.hooks.after_step(rows)
         return logits
 
     def _forward(self, seqs: list[SeqSpec], tokens: list[int], sample: list[int]) -> torch.Tensor:
