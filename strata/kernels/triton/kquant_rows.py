@@ -162,11 +162,12 @@ if gl is not None:
         return gl.where(valid, wrow, 0).to(gl.int64) * RS
 
     @gluon.jit
-    def _rows_and_chunks(pid, N, BN: gl.constexpr, OUTS: gl.constexpr, CH: gl.constexpr,
-                         RS: gl.constexpr, SILU: gl.constexpr, L: gl.constexpr):
-        """For a [rows, chunks, 8 words] layout L: the rows' byte offsets [BN, 1] and word offsets
-        [BN, 1, 1], the chunk index [1, CH] of the weights' view, and the chunk index [CH] and
-        word index [1, 8] of the inputs' view ([BN, CH, 8] weights broadcast against it: j3)."""
+    def _program(x, b, pid, N, BN: gl.constexpr, OUTS: gl.constexpr, CH: gl.constexpr,
+                 RS: gl.constexpr, SILU: gl.constexpr, L: gl.constexpr):
+        """What a [rows, chunks, 8 words] program (layout L) works with: its rows' byte offsets
+        [BN, 1] and word offsets [BN, 1, 1], the chunk index [1, CH] of the weights' view, the
+        chunk index [CH] and word index [1, 8] of the inputs' view (and [1, 1, 8] against the
+        weights), 1.0f's bits [BN, CH, 8], and x and b as 64-bit and 32-bit words."""
         L2: gl.constexpr = gl.SliceLayout(2, L)
         LX: gl.constexpr = gl.SliceLayout(0, L)
         rb = gl.expand_dims(_row_bytes(pid, N, BN, OUTS, RS, SILU, L2), 1)
@@ -174,7 +175,17 @@ if gl is not None:
         c2 = gl.expand_dims(gl.arange(0, CH, layout=gl.SliceLayout(0, L2)), 0)
         cx = gl.arange(0, CH, layout=gl.SliceLayout(1, LX))
         jx = gl.expand_dims(gl.arange(0, 8, layout=gl.SliceLayout(0, LX)), 0)
-        return rb, rw, c2, cx, jx, gl.expand_dims(jx, 0)
+        one = gl.full([BN, CH, 8], 0x3F800000, gl.uint32, layout=L)
+        return (rb, rw, c2, cx, jx, gl.expand_dims(jx, 0), one, x.to(gl.pointer_type(gl.int64), bitcast=True),
+                b.to(gl.pointer_type(gl.uint32), bitcast=True))
+
+    @gluon.jit
+    def _chunks_at(it, c2, cx, jx, NCH: gl.constexpr, XW: gl.constexpr):
+        """Iteration `it`'s chunks: the inputs' word offsets [CH, 8] (XW words a chunk), which
+        chunks exist [1, CH], and the chunk index clamped to the row [1, CH]."""
+        atx = gl.expand_dims(gl.minimum(it + cx, NCH - 1) * XW, 1) + jx
+        ch = it + c2
+        return atx, ch < NCH, gl.minimum(ch, NCH - 1)
 
     @gluon.jit
     def _finish(y, out, res, pid, N, OUTS: gl.constexpr, WARPS: gl.constexpr, SILU: gl.constexpr,
@@ -201,7 +212,6 @@ if gl is not None:
         and walks their 64-value chunks, CH at a time, one chunk a thread."""
         L: gl.constexpr = gl.BlockedLayout([RPT, 1, 8], [TR, 32 // TR, 1], [1, WARPS, 1], [2, 1, 0])
         L2: gl.constexpr = gl.SliceLayout(2, L)  # [rows, chunks]
-        LX: gl.constexpr = gl.SliceLayout(0, L)  # [chunks, 8 words]
         BN: gl.constexpr = RPT * TR
         CH: gl.constexpr = (32 // TR) * WARPS
         NB: gl.constexpr = K // 256
@@ -210,17 +220,10 @@ if gl is not None:
         OUTS: gl.constexpr = BN // 2 if SILU else BN
         _after_previous(PDL)
         pid = gl.program_id(0)
-        rb, rw, c2, cx, jx, j3 = _rows_and_chunks(pid, N, BN, OUTS, CH, RS, SILU, L)
-        one = gl.full([BN, CH, 8], 0x3F800000, gl.uint32, layout=L)
-        xw = x.to(gl.pointer_type(gl.int64), bitcast=True)
-        bw = b.to(gl.pointer_type(gl.uint32), bitcast=True)
+        rb, rw, c2, cx, jx, j3, one, xw, bw = _program(x, b, pid, N, BN, OUTS, CH, RS, SILU, L)
         acc = gl.zeros([BN, CH], gl.float32, layout=L2)
         for it in range(0, NCH, CH):
-            chx = gl.minimum(it + cx, NCH - 1)
-            atx = gl.expand_dims(chx * 16, 1) + jx  # 64-bit words: 4 inputs each
-            ch = it + c2
-            ok = ch < NCH
-            chc = gl.minimum(ch, NCH - 1)
+            atx, ok, chc = _chunks_at(it, c2, cx, jx, NCH, 16)  # 64-bit words: 4 inputs each
             blk = chc // 4
             p = chc % 4
             q = gl.load(bw + rw + gl.expand_dims(chc * 8, 2) + j3)  # [BN, CH, 8] words
@@ -338,7 +341,6 @@ if gl is not None:
         d * (256 * sum(f * x) - 384 * sum(x))."""
         L: gl.constexpr = gl.BlockedLayout([RPT, 1, 8], [TR, 32 // TR, 1], [1, WARPS, 1], [2, 1, 0])
         L2: gl.constexpr = gl.SliceLayout(2, L)  # [rows, chunks]
-        LX: gl.constexpr = gl.SliceLayout(0, L)  # [chunks, 8 words]
         BN: gl.constexpr = RPT * TR
         CH: gl.constexpr = (32 // TR) * WARPS
         NCH: gl.constexpr = K // 32  # blocks a row
@@ -346,17 +348,10 @@ if gl is not None:
         OUTS: gl.constexpr = BN // 2 if SILU else BN
         _after_previous(PDL)
         pid = gl.program_id(0)
-        rb, rw, c2, cx, jx, j3 = _rows_and_chunks(pid, N, BN, OUTS, CH, RS, SILU, L)
-        one = gl.full([BN, CH, 8], 0x3F800000, gl.uint32, layout=L)
-        xw = x.to(gl.pointer_type(gl.int64), bitcast=True)
-        bw = b.to(gl.pointer_type(gl.uint32), bitcast=True)
+        rb, rw, c2, cx, jx, j3, one, xw, bw = _program(x, b, pid, N, BN, OUTS, CH, RS, SILU, L)
         acc = gl.zeros([BN, CH], gl.float32, layout=L2)
         for it in range(0, NCH, CH):
-            chx = gl.minimum(it + cx, NCH - 1)
-            atx = gl.expand_dims(chx * 8, 1) + jx  # 64-bit words: 4 inputs each
-            ch = it + c2
-            ok = ch < NCH
-            chc = gl.minimum(ch, NCH - 1)
+            atx, ok, chc = _chunks_at(it, c2, cx, jx, NCH, 8)
             u = gl.load(bw + rw + gl.expand_dims(chc * 8, 2) + j3) ^ 0x80808080  # [BN, CH, 8] words
             wx = gl.load(xw + atx)
             s = gl.zeros([BN, CH], gl.float32, layout=L2)
