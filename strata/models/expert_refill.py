@@ -109,12 +109,10 @@ class ExpertRefill:
         self._next_log = self._next_table = 0
         self._logs: deque[_Log] = deque()
         self._copying: deque[_Copies] = deque()
-        self._dirty = False
         self.copies = torch.cuda.Stream(device) if self.cuda else None
         for j, cache in enumerate(caches):
             cache.attach(self, j, self.logs[j], self.tables[j])
-            for e, s in enumerate(cache.slot_of):  # slots filled before (a warm cache)
-                self.table[j, e] = s
+            self.table[j] = cache.slot_of  # slots filled before (a warm cache)
         self._dirty = bool((self.table >= 0).any())
         self._publish()
 

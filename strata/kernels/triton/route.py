@@ -43,10 +43,10 @@ def _route_kernel(logits, ids, weights, E: tl.constexpr, EP: tl.constexpr, K: tl
         top = tl.where(j == r, best, top)
         prob = tl.where(e == at, -1.0, prob)
     if NORMALISE:
-        total = tl.zeros([1], tl.float32)
-        for r in tl.static_range(K):  # in rank order, as a sequential sum
+        total = tl.sum(tl.where(j == 0, top, 0.0), 0)
+        for r in tl.static_range(1, K):  # in rank order, as a sequential sum
             total += tl.sum(tl.where(j == r, top, 0.0), 0)
-        top = tl.math.div_rn(top, tl.sum(total, 0))
+        top = tl.math.div_rn(top, total)
     tl.store(ids + t * K + j, chosen, mask=j < K)
     tl.store(weights + t * K + j, top.to(weights.dtype.element_ty), mask=j < K)
 
