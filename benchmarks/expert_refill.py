@@ -39,12 +39,14 @@ def run(layers: int, experts: int, top_k: int, slots: int, lanes: int, uploads: 
     refill = ExpertRefill(caches, top_k, uploads, torch.device("cpu"), rows=lanes)
     rng = np.random.default_rng(seed)
     weight = np.arange(1, experts + 1, dtype=np.float64) ** -skew
-    orders = [rng.permutation(experts) for _ in range(layers)]
+    popularity = []  # per layer: expert -> probability, the ranks in a random order
+    for _ in range(layers):
+        p = np.empty(experts)
+        p[rng.permutation(experts)] = weight / weight.sum()
+        popularity.append(p)
     times = []
     for _ in range(steps):
-        for j in range(layers):
-            p = np.empty(experts)
-            p[orders[j]] = weight / weight.sum()
+        for j, p in enumerate(popularity):
             ids = np.stack([rng.choice(experts, size=top_k, replace=False, p=p) for _ in range(lanes)])
             refill.logs[j, : lanes * top_k] = torch.from_numpy(ids.reshape(-1))
         t = time.perf_counter()
