@@ -210,7 +210,8 @@ class Engine:
                 self._cache_experts(slots)
             if state_shapes:
                 self.states = StatePool(state_shapes, config.parallel, self.device,
-                                        self.loaded.model.state_dtypes())
+                                        self.loaded.model.state_dtypes(),
+                                        trash=self.device.type == "cuda")  # graphs pad with it
             self.runner = Runner(self.loaded.model, self.pool, mc.attn_scale, self.device,
                                  graphs=graph_safe(self.loaded.model), states=self.states,
                                  windowed=any(mc.window(i) is not None for i in pool_layers),

@@ -17,6 +17,13 @@ first stage embeds the ids, a later one reads the hidden states the stage
 before it left (copied into a fixed input buffer), and only the last part
 (`head`: the final norm and the logits) makes logits; the others leave
 hidden states. The unsplit model is one part that does all three.
+
+A recurrent model (Qwen3-Next's DeltaNet layers) captures too: each lane's
+slot in the state pool is one more metadata row, the layers gather and
+scatter the states through it on the device (`kv/state.py: decode_states`),
+and padding rows use the pool's trash slot. Such a graph takes decode rows
+only: a run of drafts is computed row after row from one state, which a
+graph of independent rows cannot do.
 """
 
 from __future__ import annotations
@@ -28,6 +35,7 @@ import numpy as np
 import torch
 
 from strata.kv.pool import KvPool
+from strata.kv.state import StatePool, decode_states
 from strata.kv.step import SeqSpec, cells_at, decode_step
 
 if TYPE_CHECKING:  # the kernels need Triton; staging (host work) does not
@@ -35,14 +43,14 @@ if TYPE_CHECKING:  # the kernels need Triton; staging (host work) does not
 
 # Padded lane counts: powers of two, then steps of 16 (a decode step's cost grows slowly with lanes).
 SIZES = (1, 2, 4, 8, 16, 32, 48, 64, 80, 96, 112, 128, 160, 192, 224, 256)
-_IDS, _POS, _ROWS, _LANE, _LENS, _CELLS = range(6)
+_IDS, _POS, _ROWS, _LANE, _LENS, _CELLS, _SLOT = range(7)
 
 
 @dataclass
 class _Entry:
     size: int
-    host: torch.Tensor  # [6, size] int64, pinned: staged metadata
-    meta: torch.Tensor  # [6, size] int64 on the device, read by the graph
+    host: torch.Tensor  # [7, size] int64, pinned: staged metadata
+    meta: torch.Tensor  # [7, size] int64 on the device, read by the graph
     ctx: GpuTableAttention
     copied: torch.cuda.Event
     graph: torch.cuda.CUDAGraph | None = None
@@ -56,12 +64,14 @@ class DecodeGraphs:
 
     `embed`: the part starts from token ids (else from `hidden` given to `forward`); `head`: it
     ends with the final norm and the logits (else it returns hidden states); `rope`: the RoPE
-    tables on the pool's device where they are not the model's own.
+    tables on the pool's device where they are not the model's own; `states`: a recurrent
+    model's state pool (its layers read and write their lanes' slots in the graph).
     """
 
     def __init__(self, model: torch.nn.Module, pool: KvPool, scale: float, layers: range | None = None,
                  embed: bool = True, head: bool = True,
-                 rope: tuple[torch.Tensor, torch.Tensor] | None = None, rows_per_lane: int = 1) -> None:
+                 rope: tuple[torch.Tensor, torch.Tensor] | None = None, rows_per_lane: int = 1,
+                 states: StatePool | None = None) -> None:
         self.model = model
         self.pool = pool
         self.scale = scale
@@ -69,13 +79,27 @@ class DecodeGraphs:
         self.embed = embed
         self.head = head
         self.rope = rope
+        if states is not None and states.trash is None:
+            raise ValueError("a captured step's padding rows need the state pool's trash slot")
+        self.states = states
+        if states is not None:
+            rows_per_lane = 1  # decode rows only (`step_rows`)
         most = pool.num_lanes * rows_per_lane  # rows_per_lane > 1: drafts verified as rows (`rows_of`)
         self.sizes = [s for s in SIZES if s < most] + [most]
         self._entries: dict[int, _Entry] = {}
 
     def supports(self, seqs: list[SeqSpec], sample: list[int]) -> bool:
-        """A pure decode step whose every lane is sampled (what the graph computes)."""
-        return decode_step(seqs) and len(seqs) <= self.sizes[-1] and all(sample)
+        """A pure decode step whose every lane is sampled (what the graph computes); with
+        states, none of them at position 0 (a lane's state starts from zeros there)."""
+        return (decode_step(seqs) and len(seqs) <= self.sizes[-1] and all(sample)
+                and (self.states is None or all(s.start > 0 for s in seqs)))
+
+    def step_rows(self, seqs: list[SeqSpec], sample: list[int]) -> list[SeqSpec] | None:
+        """`rows_of` for this graph's model: a recurrent model's run of drafts is not such rows
+        (each row continues the state the row before left), so a step with one gives None."""
+        if self.states is not None and any(s.n > 1 for s in seqs):
+            return None
+        return self.rows_of(seqs, sample)
 
     @staticmethod
     def rows_of(seqs: list[SeqSpec], sample: list[int]) -> list[SeqSpec] | None:
@@ -86,6 +110,10 @@ class DecodeGraphs:
         if any(int(w) != s.n or s.prompt for s, w in zip(seqs, sample)):
             return None
         return [SeqSpec(s.lane, s.start + j, 1) for s in seqs for j in range(s.n)]
+
+    def captured(self) -> list[int]:
+        """The padded lane counts captured so far."""
+        return sorted(self._entries)
 
     def size_for(self, lanes: int) -> int:
         return next(s for s in self.sizes if s >= lanes)
@@ -126,7 +154,8 @@ class DecodeGraphs:
         m = self.model
         h = m.embed(e.meta[_IDS]) if self.embed else e.input
         start, stop = (0, None) if self.layers is None else (self.layers.start, self.layers.stop)
-        h = m.run_layers(h, e.meta[_POS], e.ctx, start, stop, rope=self.rope)
+        states = None if self.states is None else decode_states(self.states, e.meta[_SLOT])
+        h = m.run_layers(h, e.meta[_POS], e.ctx, start, stop, rope=self.rope, states=states)
         return m.compute_logits(m.norm.forward(h)) if self.head else h
 
     def _fill(self, e: _Entry, seqs: list[SeqSpec], tokens: list[int]) -> None:
@@ -146,6 +175,9 @@ class DecodeGraphs:
         h[_LANE, :n] = lane_ids
         h[_LENS, :n] = pos + 1
         h[_CELLS, :n] = cells_at(self.pool.tables.numpy(), chunk, lane_ids, pos)
+        if self.states is not None:
+            h[_SLOT, :n] = [self.states.slot_of[lane] for lane in lane_ids.tolist()]
+            self.states.kept_runs = {}  # as an eager step lets the last step's runs go
         if e.filled > n:  # lanes of a larger step before: padding again
             self._pad(h, n, e.filled)
         e.filled = n
@@ -158,6 +190,7 @@ class DecodeGraphs:
         h[_LANE, start:stop] = 0
         h[_LENS, start:stop] = 1
         h[_CELLS, start:stop] = self.pool.trash * self.pool.chunk_size
+        h[_SLOT, start:stop] = 0 if self.states is None else self.states.trash or 0
 
     def dtype(self) -> torch.dtype:
         """The hidden states' dtype: the part's first weights'."""
@@ -170,12 +203,12 @@ class DecodeGraphs:
         if e is not None:
             return e
         dev = self.pool.device
-        host = torch.zeros((6, size), dtype=torch.int64).pin_memory()
+        host = torch.zeros((7, size), dtype=torch.int64).pin_memory()
         host[_ROWS] = torch.arange(size)
-        meta = torch.zeros((6, size), dtype=torch.int64, device=dev)
+        meta = torch.zeros((7, size), dtype=torch.int64, device=dev)
         from strata.attention.triton_pool import GpuTableAttention
 
-        ctx = GpuTableAttention.for_graph(self.pool, meta[_ROWS:], self.scale)
+        ctx = GpuTableAttention.for_graph(self.pool, meta[_ROWS:_SLOT], self.scale)
         e = _Entry(size, host, meta, ctx, torch.cuda.Event())
         if not self.embed:
             cfg = self.model.config

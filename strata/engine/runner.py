@@ -36,7 +36,9 @@ class Runner:
                  graphs: bool = True, states: StatePool | None = None, windowed: bool = False,
                  rows_per_lane: int = 1, keep_hidden: bool = False,
                  hooks: StepHooks | None = None) -> None:
-        """states: a recurrent model's per-lane state (`kv/state.py`); its steps run eagerly.
+        """states: a recurrent or windowed model's per-lane state (`kv/state.py`); a recurrent
+        model's decode steps replay graphs too (its states gathered by device slots), a windowed
+        one's run eagerly (its ring's bookkeeping reads the slots on the host).
         windowed: a pool layer attends within a sliding window (`select.backend_for`).
         rows_per_lane: 1 + the most drafts a lane verifies in a step (graphs are sized for them).
         keep_hidden: keep an eager step's final hidden states, every row, in `hidden` (the MTP
@@ -52,10 +54,12 @@ class Runner:
         self.hidden: torch.Tensor | None = None  # the last eager step's, with keep_hidden
         self.context = backend_for(pool, windowed)  # the attention backend of every step (attention/select.py)
         self.graphs = None  # CUDA graphs of decode steps (prompt reading stays eager)
-        if graphs and states is None and graphs_possible(self.context):
+        # an MTP head feeds on every step's hidden states, which a replayed graph does not keep
+        capturable = states is None or (model.states_capturable() and not keep_hidden)
+        if graphs and capturable and graphs_possible(self.context):
             from strata.engine.graphs import DecodeGraphs  # imports Triton
 
-            self.graphs = DecodeGraphs(model, pool, scale, rows_per_lane=rows_per_lane)
+            self.graphs = DecodeGraphs(model, pool, scale, rows_per_lane=rows_per_lane, states=states)
 
     def describe_stages(self) -> list[dict]:
         """One stage: the whole model on one device (a split's runner lists each of its stages)."""
@@ -98,7 +102,7 @@ class Runner:
     def _forward(self, seqs: list[SeqSpec], tokens: list[int], sample: list[int]) -> torch.Tensor:
         self.hidden = None  # a captured graph's step keeps none
         if self.graphs is not None:
-            rows = self.graphs.rows_of(seqs, sample)  # drafts verified as decode rows
+            rows = self.graphs.step_rows(seqs, sample)  # drafts verified as decode rows
             if rows is not None and self.graphs.supports(rows, [1] * len(rows)):
                 return self.graphs.forward(rows, tokens)  # valid until the next step: sample at once
         input_ids = torch.tensor(tokens, dtype=torch.int64, device=self.device)

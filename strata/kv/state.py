@@ -97,16 +97,19 @@ class StatePool:
     """
 
     def __init__(self, shapes: dict[int, StateShapes], num_lanes: int, device: torch.device | str,
-                 dtypes: dict[int, StateDtypes] | None = None) -> None:
-        """dtypes: layer -> name -> dtype of the states that are not float32."""
+                 dtypes: dict[int, StateDtypes] | None = None, trash: bool = False) -> None:
+        """dtypes: layer -> name -> dtype of the states that are not float32.
+        trash: one more slot that no lane owns, for the padding rows of a captured decode step
+        (engine/graphs.py) to write; it costs one lane's state."""
         self.shapes = shapes
         self.device = torch.device(device)
         self.slot_of = list(range(num_lanes))
+        self.trash = num_lanes if trash else None
         # the last step's verified runs: lane -> (layer, slot, its state after each row)
         self.kept_runs: dict[int, list[tuple[int, int, RunStates]]] = {}
         dtypes = dtypes or {}
         self.layers: dict[int, dict[str, torch.Tensor]] = {
-            layer: {name: torch.zeros((num_lanes, *shape), device=self.device,
+            layer: {name: torch.zeros((num_lanes + int(trash), *shape), device=self.device,
                                       dtype=dtypes.get(layer, {}).get(name, torch.float32))
                     for name, shape in named.items()}
             for layer, named in shapes.items()}
@@ -174,28 +177,19 @@ class StatePool:
                     t.index_copy_(0, cells, after[rows - 1].to(t.dtype))
 
 
-class StepStates:
-    """`StateContext` over a `StatePool`: gathers the step's slots, scatters them back."""
+class SlotStates:
+    """`StateContext` over a `StatePool` for sequences whose slots are a device tensor: gathers
+    them before a layer's rows, scatters them back after. It verifies no drafts (`keep_run`)."""
 
-    def __init__(self, pool: StatePool, spans: list[tuple[int, int]], lanes: list[int],
-                 fresh: list[bool], runs: list[bool]) -> None:
+    def __init__(self, pool: StatePool, slots: torch.Tensor, spans: list[tuple[int, int]],
+                 runs: list[bool]) -> None:
         self.pool = pool
+        self.slots = slots
         self.spans = spans
-        self.lanes = lanes
         self.runs = runs
-        self.slots = torch.tensor([pool.slot_of[lane] for lane in lanes], dtype=torch.int64,
-                                  device=pool.device)
-        self.fresh = torch.tensor(fresh, dtype=torch.bool, device=pool.device)
-        self.any_fresh = any(fresh)
 
     def load(self, layer: int) -> dict[str, torch.Tensor]:
-        out = {}
-        for name, t in self.pool.layers[layer].items():
-            s = t.index_select(0, self.slots)
-            if self.any_fresh:
-                s[self.fresh] = 0
-            out[name] = s
-        return out
+        return {name: t.index_select(0, self.slots) for name, t in self.pool.layers[layer].items()}
 
     def in_place(self, layer: int) -> dict[str, torch.Tensor]:
         return self.pool.layers[layer]
@@ -205,5 +199,37 @@ class StepStates:
             t.index_copy_(0, self.slots, state[name].to(t.dtype))
 
     def keep_run(self, layer: int, seq: int, run: RunStates) -> None:
+        raise RuntimeError("this step verifies no drafts")
+
+
+class StepStates(SlotStates):
+    """The StateContext of an eager step (`StatePool.step`): sequences starting at position 0
+    begin from zeros, and verified runs keep their states for `StatePool.rewind`."""
+
+    def __init__(self, pool: StatePool, spans: list[tuple[int, int]], lanes: list[int],
+                 fresh: list[bool], runs: list[bool]) -> None:
+        slots = torch.tensor([pool.slot_of[lane] for lane in lanes], dtype=torch.int64, device=pool.device)
+        super().__init__(pool, slots, spans, runs)
+        self.lanes = lanes
+        self.fresh = torch.tensor(fresh, dtype=torch.bool, device=pool.device)
+        self.any_fresh = any(fresh)
+
+    def load(self, layer: int) -> dict[str, torch.Tensor]:
+        out = super().load(layer)
+        if self.any_fresh:
+            for s in out.values():
+                s[self.fresh] = 0
+        return out
+
+    def keep_run(self, layer: int, seq: int, run: RunStates) -> None:
         lane = self.lanes[seq]
         self.pool.kept_runs.setdefault(lane, []).append((layer, self.pool.slot_of[lane], run))
+
+
+def decode_states(pool: StatePool, slots: torch.Tensor) -> SlotStates:
+    """The StateContext of a captured decode step (engine/graphs.py): one row per sequence, the
+    sequences' slots in `slots` [S] (int64 on the device, refilled before each replay: a lane's
+    slot, or `pool.trash` for a padding row), so the step reads and writes the states where they
+    lie with no host work. No sequence starts at position 0 and none verifies drafts."""
+    n = slots.shape[0]
+    return SlotStates(pool, slots, [(i, 1) for i in range(n)], [False] * n)

@@ -217,8 +217,12 @@ class GatedDeltaNet(nn.Module):
         [T, Hv, Dv], new conv tails, new matrix states): the torch reference.
 
         The one-row spans (decode) are computed together; each longer span (a prompt or a part
-        of one) by itself in the chunked form.
+        of one) by itself in the chunked form. A step of one-row spans only makes no index
+        tensors from host lists, so a CUDA graph can capture it (engine/graphs.py).
         """
+        if all(span == (i, 1) for i, span in enumerate(spans)):  # a decode step: no index tensors
+            o, conv, ssm = self._mix(mixed[:, None], b[:, None], a[:, None], conv, ssm)
+            return o[:, 0], conv, ssm
         conv, ssm = conv.clone(), ssm.clone()
         out = torch.empty(mixed.shape[0], self.hv, self.dv, dtype=mixed.dtype, device=mixed.device)
         single = [i for i, (_, n) in enumerate(spans) if n == 1]

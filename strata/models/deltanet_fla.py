@@ -37,6 +37,7 @@ import torch
 import torch.nn.functional as F
 
 log = logging.getLogger(__name__)
+CONV_CHUNK = 64  # rows a program of FLA's causal_conv1d takes (its default chunk_size)
 
 
 @dataclass(frozen=True)
@@ -104,7 +105,10 @@ class VarlenLayout:
     `single` / `multi`: the sequences of each kind; `single_rows`: their rows; `multi_rows`: the
     longer spans' rows end to end, None where that is all rows in order (no gather needed);
     `cu_all`, `cu_multi`: cumulative row counts of every span / of the longer ones (int64, on
-    the device, with CPU copies for FLA's host-side chunk counts).
+    the device, with CPU copies for FLA's host-side chunk counts); `conv_chunks`: the
+    convolution's (sequence, block) pairs over blocks of `CONV_CHUNK` rows, which FLA would
+    otherwise build and keep in a cache of its own that forgets them (a captured graph would
+    then read freed memory).
     """
 
     num_rows: int
@@ -116,11 +120,28 @@ class VarlenLayout:
     cu_all_cpu: torch.Tensor
     cu_multi: torch.Tensor | None
     cu_multi_cpu: torch.Tensor | None
+    conv_chunks: torch.Tensor
+
+
+def varlen_layout(spans: tuple[tuple[int, int], ...], device: torch.device) -> VarlenLayout:
+    """The layout of one step (cached: every DeltaNet layer of the step asks for the same).
+
+    A decode step's layout (one row a sequence, at most one per lane count) is kept for the
+    process: a captured CUDA graph (engine/graphs.py) reads its tensors at every replay, so
+    they must never be freed and their memory reused.
+    """
+    if all(span == (i, 1) for i, span in enumerate(spans)):
+        return _decode_layout(len(spans), device)
+    return _layout(spans, device)
+
+
+@functools.cache
+def _decode_layout(rows: int, device: torch.device) -> VarlenLayout:
+    return _layout(tuple((i, 1) for i in range(rows)), device)
 
 
 @functools.lru_cache(maxsize=16)
-def varlen_layout(spans: tuple[tuple[int, int], ...], device: torch.device) -> VarlenLayout:
-    """The layout of one step (cached: every DeltaNet layer of the step asks for the same)."""
+def _layout(spans: tuple[tuple[int, int], ...], device: torch.device) -> VarlenLayout:
     num_rows = 0
     for start, n in spans:
         if start != num_rows or n < 1:
@@ -144,8 +165,10 @@ def varlen_layout(spans: tuple[tuple[int, int], ...], device: torch.device) -> V
             multi_rows = on_device([r for i in multi for r in range(spans[i][0], spans[i][0] + spans[i][1])])
         cu_multi_cpu = F.pad(lengths[multi].cumsum(0), (1, 0))
         cu_multi = cu_multi_cpu.to(device, non_blocking=True)
+    chunks = on_device([v for i, (_, n) in enumerate(spans) for c in range(-(-n // CONV_CHUNK))
+                        for v in (i, c)]).view(-1, 2)
     return VarlenLayout(num_rows, single_t, single_rows, multi_t, multi_rows,
-                        cu_all_cpu.to(device, non_blocking=True), cu_all_cpu, cu_multi, cu_multi_cpu)
+                        cu_all_cpu.to(device, non_blocking=True), cu_all_cpu, cu_multi, cu_multi_cpu, chunks)
 
 
 def fla_conv(kernels: FlaKernels, mixed: torch.Tensor, weight: torch.Tensor, tails: torch.Tensor,
@@ -158,7 +181,8 @@ def fla_conv(kernels: FlaKernels, mixed: torch.Tensor, weight: torch.Tensor, tai
     initial = F.pad(tails, (1, 0)).to(mixed.dtype)  # FLA's column 0 (K inputs back) is never read
     out, final = kernels.conv(mixed[None], weight.to(mixed.dtype), initial_state=initial,
                               output_final_state=True, activation="silu", backend="triton",
-                              cu_seqlens=layout.cu_all, cu_seqlens_cpu=layout.cu_all_cpu)
+                              cu_seqlens=layout.cu_all, cu_seqlens_cpu=layout.cu_all_cpu,
+                              chunk_indices=layout.conv_chunks)
     return out[0], final[..., 1:].float()
 
 

@@ -276,6 +276,11 @@ class DecoderModel(nn.Module):
         """layer -> name -> dtype of the states in `state_layers` that are not float32."""
         return {}
 
+    def states_capturable(self) -> bool:
+        """Whether a decode step's state layers read and write their lanes' slots on the device
+        alone (no host reads of the step's slots), so a CUDA graph can capture the step."""
+        return not self.state_layers()
+
     def pool_layers(self) -> list[int]:
         """The layers whose K/V live in the KV pool: every layer without fixed-size state (the
         pool allocates cells for these only)."""

@@ -40,6 +40,40 @@ def test_cuda_answers_as_the_cpu(kind: str, tmp_path) -> None:
         assert stats["checkpoints"]["restores"] >= 1
 
 
+def _decode_run(folder: str, dtype: str, parallel: int, graphs: bool) -> tuple[list[list[int]], list[int]]:
+    """Each prompt's greedy tokens (all at once with parallel > 1, else one at a time) and the
+    lane counts whose decode graphs were captured."""
+    cfg = EngineConfig(model=folder, device="cuda", dtype=dtype, weights="dense", parallel=parallel,
+                       max_context=128, prefill_chunk=8)
+    with Engine(cfg) as eng:
+        if not graphs:
+            eng.runner.graphs = None
+        if parallel == 1:
+            out = [eng.complete(p, GREEDY).token_ids for p in PROMPTS]
+        else:
+            out = [h.result().token_ids for h in [eng.generate(p, GREEDY) for p in PROMPTS]]
+        return out, [] if eng.runner.graphs is None else eng.runner.graphs.captured()
+
+
+@pytest.mark.parametrize("kind,dtype", [("qwen3_next", "float32"), ("qwen3_next", "bfloat16"),
+                                        ("qwen3_next_dense", "bfloat16")])
+def test_recurrent_decode_replays_graphs(kind: str, dtype: str, tmp_path) -> None:
+    """Qwen3-Next's decode steps replay CUDA graphs: each lane's DeltaNet state gathered and
+    scattered through its slot on the device, padding rows writing the trash slot. One lane gives
+    the tokens of the same engine stepping eagerly (bf16: the FLA kernels); three lanes at once
+    (padded to four) give them too in float32, where the kernels' bits do not depend on the
+    batch (bf16's do, issue 20's subject)."""
+    save_tiny(kind, tmp_path)
+    save_byte_tokenizer(tmp_path)
+    eager, none = _decode_run(str(tmp_path), dtype, 1, graphs=False)
+    alone, one = _decode_run(str(tmp_path), dtype, 1, graphs=True)
+    together, sizes = _decode_run(str(tmp_path), dtype, 3, graphs=True)
+    assert none == [] and one == [1] and 4 in sizes
+    assert alone == eager
+    if dtype == "float32":
+        assert together == eager
+
+
 @pytest.mark.parametrize("kind", ["gemma3", "qwen3_next", "qwen3_next_mtp"])
 def test_cuda_drafts_keep_the_answer(kind: str, tmp_path) -> None:
     """--spec on a hybrid model on CUDA (float32): drafts from a repeated prompt's first answer

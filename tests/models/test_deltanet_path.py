@@ -46,3 +46,52 @@ def test_prompts_alone_need_no_gather_and_decode_alone_no_chunks() -> None:
 def test_spans_out_of_order_are_refused(spans: tuple[tuple[int, int], ...]) -> None:
     with pytest.raises(ValueError):
         varlen_layout(spans, torch.device("cpu"))
+
+
+def test_the_convolution_blocks_are_the_layout_s_own() -> None:
+    """FLA's causal_conv1d takes its (sequence, block of 64 rows) pairs from the layout, which
+    keeps them alive for a captured graph, instead of a cache of FLA's that forgets them."""
+    layout = varlen_layout(((0, 1), (1, 130), (131, 64)), torch.device("cpu"))
+    assert layout.conv_chunks.tolist() == [[0, 0], [1, 0], [1, 1], [1, 2], [2, 0]]
+
+
+def test_a_decode_layout_lives_as_long_as_the_process() -> None:
+    spans = tuple((i, 1) for i in range(5))
+    first = varlen_layout(spans, torch.device("cpu"))
+    for n in range(2, 40):  # more layouts than the bounded cache of other steps holds
+        varlen_layout(((0, n),), torch.device("cpu"))
+    assert varlen_layout(spans, torch.device("cpu")) is first
+
+
+def _layer():
+    from strata.models.base import ModelConfig
+    from strata.models.deltanet import GatedDeltaNet
+
+    cfg = ModelConfig(arch="qwen3_next", vocab_size=256, hidden_size=32, intermediate_size=64,
+                      num_layers=1, num_heads=2, num_kv_heads=1, head_dim=16, layer_types=("linear_attention",),
+                      linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=8,
+                      linear_value_head_dim=8, linear_conv_kernel=4, rms_norm_eps=1e-6)
+    torch.manual_seed(0)
+    layer = GatedDeltaNet(cfg, 0)
+    with torch.no_grad():
+        for p in layer.parameters():
+            p.copy_(0.3 * torch.randn_like(p))
+    return layer
+
+
+def test_a_decode_step_computes_as_its_rows_among_a_prompt() -> None:
+    """The one-row fast path (no index tensors, so a graph can capture it) gives the bits the
+    general path gives the same rows when a prompt shares the step; a different state shows."""
+    layer = _layer()
+    g = torch.Generator().manual_seed(1)
+    n, t = 3, 3 + 5
+    mixed = torch.randn(t, layer.conv_dim, generator=g)
+    b, a = torch.randn(t, layer.hv, generator=g), torch.randn(t, layer.hv, generator=g)
+    conv = torch.randn(n + 1, layer.conv_dim, layer.kernel - 1, generator=g)
+    ssm = 0.3 * torch.randn(n + 1, layer.hv, layer.dk, layer.dv, generator=g)
+    decode = [(i, 1) for i in range(n)]
+    out, c, s = layer.mix_spans_torch(mixed[:n], b[:n], a[:n], conv[:n], ssm[:n], decode)
+    ref_out, ref_c, ref_s = layer.mix_spans_torch(mixed, b, a, conv, ssm, decode + [(n, 5)])
+    assert torch.equal(out, ref_out[:n]) and torch.equal(c, ref_c[:n]) and torch.equal(s, ref_s[:n])
+    other, _, _ = layer.mix_spans_torch(mixed[:n], b[:n], a[:n], conv[:n], ssm[:n].flip(0), decode)
+    assert not torch.equal(other, out)
