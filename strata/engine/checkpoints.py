@@ -3,7 +3,9 @@
 A model with recurrent layers (`kv/state.py`) cannot cut a conversation
 back to an arbitrary prefix the way K/V can: its state belongs to the
 lane's whole token list. So while a prompt is read it stops at cut points
-and the lane's state is copied to the host there; a later request that
+and the lane's state is copied to the host there (a model whose state
+layers keep their state at rows inside a step, `cuts_within_steps`, reads
+on through the cut and hands over the state there: no step boundary); a later request that
 diverges from the lane's conversation resumes from the latest checkpoint at
 or before the divergence instead of from token 0 (a regenerated answer from
 the end of its prompt, an edited message from the turn before it).
@@ -58,6 +60,7 @@ class Checkpoint:
 @dataclass
 class CheckpointStats:
     saves: int = 0
+    inside: int = 0  # of the saves, those taken inside a step (`Checkpoints.save(inner=)`)
     restores: int = 0
     tokens_reused: int = 0
     dropped: int = 0
@@ -111,8 +114,8 @@ class Checkpoints:
     def __post_init__(self) -> None:
         self.stats.bytes_per_checkpoint = self.pool.bytes_per_lane()
 
-    def _export(self, lane: int) -> tuple[State, int, int, Any]:
-        state, copied = self.pool.export(lane)
+    def _export(self, lane: int, inner: State | None) -> tuple[State, int, int, Any]:
+        state, copied = self.pool.export(lane) if inner is None else self.pool.to_host(inner)
         return state, self.pool.bytes_per_lane(), self._now(), copied
 
     def _now(self) -> int:
@@ -122,17 +125,19 @@ class Checkpoints:
     def _held(self, lane: int) -> list[Checkpoint]:
         return self.lanes.setdefault(lane, [])
 
-    def save(self, lane: int, position: int) -> None:
-        """Copy the lane's state, which covers its first `position` tokens."""
+    def save(self, lane: int, position: int, inner: State | None = None) -> None:
+        """Copy the lane's state, which covers its first `position` tokens; or `inner`, its state
+        at `position` taken inside a step (`StatePool.take_cuts`)."""
         if self.per_lane <= 0 or position <= 0:
             return
         held = [c for c in self._held(lane) if c.position != position]
-        held.append(Checkpoint(position, *self._export(lane)))
+        held.append(Checkpoint(position, *self._export(lane, inner)))
         while len(held) > self.per_lane:
             held.remove(to_drop(held, position))
             self.stats.dropped += 1
         self.lanes[lane] = sorted(held, key=lambda c: c.position)
         self.stats.saves += 1
+        self.stats.inside += inner is not None
         self._count()
 
     def best(self, lane: int, limit: int) -> int:
@@ -164,7 +169,7 @@ class Checkpoints:
         """The lane's checkpoints and its state at its full `length` (a new one): what a parked
         or saved conversation keeps, ascending by position."""
         held = [c for c in self._held(lane) if c.position < length]
-        now = Checkpoint(length, *self._export(lane))
+        now = Checkpoint(length, *self._export(lane, None))
         return held + [now]
 
     def install(self, lane: int, states: list[Checkpoint], position: int) -> None:

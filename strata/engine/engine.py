@@ -240,7 +240,9 @@ class Engine:
             parking = Parking(self.pool, self.conversations, kept, self.checkpoints)
         self.scheduler = Scheduler(self.pool, config.parallel, config.prefill_chunk,
                                    prefix_reuse=config.prefix_reuse, parking=parking,
-                                   checkpoints=self.checkpoints)
+                                   checkpoints=self.checkpoints,
+                                   cuts_within_steps=self.checkpoints is not None
+                                   and self.loaded.model.cuts_within_steps())
         if config.pipeline not in ("auto", "on", "off"):
             raise BadRequest(f"--pipeline must be auto, on or off, not {config.pipeline!r}")
         # overlapping pays where the forward runs asynchronously (CUDA graphs); elsewhere it only
@@ -535,6 +537,8 @@ class Engine:
             masks = self.masks.start(step)  # before the forward: the two overlap
             started = self.cpu_threads.clock()
             launched = Launched(step, [lane.request for lane in step.lanes], forward(), masks=masks)
+            if self.states is not None:
+                launched.cuts = self.states.take_cuts()
             launched.take_greedy_ids()
             self.cpu_threads.step_done(started, step.seqs)  # may set the next step's thread count
             self.steps += 1
@@ -629,10 +633,14 @@ class Engine:
             if req is None or lane.request is not req:
                 continue  # the request ended (or was cancelled) after this step was launched
             if req.prefilling:
+                start = req.cursor
                 lane.tokens.extend(req.prompt[req.cursor : req.cursor + seq.n])
                 req.cursor += seq.n
-                if self.checkpoints is not None and req.cursor in req.cuts:
-                    self.checkpoints.save(lane.index, req.cursor)
+                if self.checkpoints is not None:
+                    for inside, state in sorted(launched.cuts.get(lane.index, {}).items()):
+                        self.checkpoints.save(lane.index, start + inside, state)  # cut inside the step
+                    if req.cursor in req.cuts:
+                        self.checkpoints.save(lane.index, req.cursor)
                 if not wanted and req.params.progress:
                     req.handle.publish(self._progress(req))
             else:

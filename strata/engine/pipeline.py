@@ -15,7 +15,7 @@ its row is skipped when that step is post-processed (`Launched.reqs`).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -39,6 +39,8 @@ class Launched:
     host: torch.Tensor | None = None  # ... and their copy on the host
     ready: Any = None  # CUDA event: the copy is done
     masks: PendingMasks | None = None  # grammar masks of its constrained rows, computed meanwhile
+    # a recurrent model's states at the cut points inside its prompt pieces (`StatePool.take_cuts`)
+    cuts: dict[int, dict[int, dict[int, dict[str, torch.Tensor]]]] = field(default_factory=dict)
 
     def take_greedy_ids(self) -> None:
         """For a step of plain greedy decode rows: argmax on the device, copy started to the host."""

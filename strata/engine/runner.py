@@ -117,7 +117,8 @@ class Runner:
             # a run that samples all its rows (more than one) verifies drafts: its state after
             # each row is kept until the verification says how many stay (`StatePool.rewind`)
             states = self.states.step([(r, s.n) for r, s in zip(rows, seqs)], [s.lane for s in seqs],
-                                      [s.start == 0 for s in seqs], [w > 1 for w in sample])
+                                      [s.start == 0 for s in seqs], [w > 1 for w in sample],
+                                      [s.cuts for s in seqs])
             hidden = self.model(input_ids, positions.to(self.device), ctx, states=states)
         self.hidden = hidden if self.keep_hidden else None
         rows = sampled_rows(seqs, sample)

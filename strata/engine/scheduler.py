@@ -84,9 +84,12 @@ def common_prefix(a: list[int], b: list[int]) -> int:
 class Scheduler:
     def __init__(self, pool: TablePool, lanes: int, prefill_chunk: int, retry_after: float = 1.0,
                  prefix_reuse: bool = True, parking: Parking | None = None,
-                 checkpoints: Checkpoints | None = None) -> None:
+                 checkpoints: Checkpoints | None = None, cuts_within_steps: bool = False) -> None:
         """checkpoints: a recurrent model's state checkpoints (`checkpoints.py`); a lane then
-        resumes only from its whole conversation or from a checkpoint, never from another cut."""
+        resumes only from its whole conversation or from a checkpoint, never from another cut.
+        cuts_within_steps: the model keeps its state at cut points inside a step
+        (`SeqSpec.cuts`), so a prompt read does not stop at them (except in a step that
+        verifies drafts)."""
         self.pool = pool
         self.prefix_reuse = prefix_reuse
         self.lanes = [Lane(i) for i in range(lanes)]
@@ -96,6 +99,7 @@ class Scheduler:
         self.counters = Counters()
         self.parking = parking  # conversations displaced from lanes go there (the conversation cache)
         self.checkpoints = checkpoints
+        self.cuts_within_steps = cuts_within_steps
 
     # ---- admission ----------------------------------------------------------
     def free_lanes(self) -> list[Lane]:
@@ -310,6 +314,7 @@ class Scheduler:
             tokens.extend(lane.drafts)
             sample.append(n)
         budget = self.prefill_chunk
+        inside = self.cuts_within_steps and not any(s.drafted for s in seqs)
         reading = [lane for lane in self.lanes if lane.request is not None and lane.request.prefilling]
         reading.sort(key=lambda lane: lane.request.id)  # type: ignore[union-attr]
         for lane in reading:
@@ -319,9 +324,10 @@ class Scheduler:
             assert req is not None
             n = min(budget, len(req.prompt) - req.cursor)
             cut = next((c for c in req.cuts if c > req.cursor), None)
-            if cut is not None:  # the read stops there to checkpoint the state
+            if cut is not None and not inside:  # the read stops there to checkpoint the state
                 n = min(n, cut - req.cursor)
-            seqs.append(SeqSpec(lane.index, req.cursor, n, prompt=True))
+            cuts = tuple(c - req.cursor for c in req.cuts if req.cursor < c < req.cursor + n) if inside else ()
+            seqs.append(SeqSpec(lane.index, req.cursor, n, prompt=True, cuts=cuts))
             lanes.append(lane)
             tokens.extend(req.prompt[req.cursor : req.cursor + n])
             sample.append(req.cursor + n == len(req.prompt))

@@ -15,6 +15,12 @@ The state of a lane always belongs to exactly the lane's tokens: unlike a
 prefix of K/V it cannot be cut back, which is why prefix reuse of such a
 model resumes only from the lane's full length or from a checkpoint.
 
+A prompt piece may carry cut points inside it (`cuts`): a layer computes
+the piece in parts split there, each part continuing the state the part
+before left, and hands over its state at each cut (`keep_cut`), so a
+checkpoint costs no step boundary (engine/checkpoints.py). The parts are
+the spans the steps would have had with a boundary at each cut.
+
 Speculative decoding feeds a lane's drafts as one run of rows and keeps
 only those verification accepts. A step marks such runs (`runs`); a layer
 computes a run's rows as consecutive decode rows (the arithmetic of
@@ -67,6 +73,8 @@ class StateContext(Protocol):
     # runs[i]: sequence i is a verified run of drafts: its rows are computed as consecutive
     # decode rows and its state after each row goes to `keep_run`
     runs: list[bool]
+    # cuts[i]: the rows of sequence i after which its state goes to `keep_cut` (0 < c < n)
+    cuts: list[tuple[int, ...]]
 
     def load(self, layer: int) -> dict[str, torch.Tensor]:
         """name -> [S, *shape] (float32 unless declared otherwise): each sequence's state before
@@ -88,6 +96,11 @@ class StateContext(Protocol):
         """The state of run `seq` (runs[seq]) after each of its rows, for `StatePool.rewind`."""
         ...
 
+    def keep_cut(self, layer: int, seq: int, rows: int, state: dict[str, torch.Tensor]) -> None:
+        """Sequence `seq`'s state (name -> [*shape]) after its first `rows` rows, a cut in
+        cuts[seq]: a tensor nobody writes afterwards."""
+        ...
+
 
 class StatePool:
     """One slot per lane of every stateful layer's state, on the model's device.
@@ -107,6 +120,9 @@ class StatePool:
         self.trash = num_lanes if trash else None
         # the last step's verified runs: lane -> (layer, slot, its state after each row)
         self.kept_runs: dict[int, list[tuple[int, int, RunStates]]] = {}
+        # the last eager step's states at cut points: lane -> rows into its span -> layer -> name
+        # -> state (`StateContext.keep_cut`); the engine takes them (`take_cuts`)
+        self.cut_states: dict[int, dict[int, dict[int, dict[str, torch.Tensor]]]] = {}
         dtypes = dtypes or {}
         self.layers: dict[int, dict[str, torch.Tensor]] = {
             layer: {name: torch.zeros((num_lanes + int(trash), *shape), device=self.device,
@@ -130,12 +146,19 @@ class StatePool:
         checkpoints as it goes would otherwise wait for the device at every cut). `load` may take
         it at once (same stream); a reader on the host waits for the event first."""
         s = self.slot_of[lane]
+        return self.to_host({layer: {name: t[s] for name, t in named.items()}
+                             for layer, named in self.layers.items()})
+
+    def to_host(self, state: dict[int, dict[str, torch.Tensor]]
+                ) -> tuple[dict[int, dict[str, torch.Tensor]], torch.cuda.Event | None]:
+        """A host copy of one lane's state (layer -> name -> tensor on the pool's device), as
+        `export` returns it: on CUDA into pinned memory without stopping the stream."""
         if self.device.type != "cuda":
-            return {layer: {name: t[s].to("cpu", copy=True) for name, t in named.items()}
-                    for layer, named in self.layers.items()}, None
-        out = {layer: {name: torch.empty(t.shape[1:], dtype=t.dtype, pin_memory=True).copy_(t[s], non_blocking=True)
+            return {layer: {name: t.to("cpu", copy=True) for name, t in named.items()}
+                    for layer, named in state.items()}, None
+        out = {layer: {name: torch.empty(t.shape, dtype=t.dtype, pin_memory=True).copy_(t, non_blocking=True)
                        for name, t in named.items()}
-               for layer, named in self.layers.items()}
+               for layer, named in state.items()}
         done = torch.cuda.Event()
         done.record()
         return out, done
@@ -151,13 +174,22 @@ class StatePool:
                     t[s].copy_(state[layer][name], non_blocking=True)
 
     def step(self, spans: list[tuple[int, int]], lanes: list[int], fresh: list[bool],
-             runs: list[bool] | None = None) -> StepStates:
+             runs: list[bool] | None = None, cuts: list[tuple[int, ...]] | None = None) -> StepStates:
         """The StateContext of one step: sequence i is lane `lanes[i]`'s rows `spans[i]`,
         starting from zeros where `fresh[i]` (its first row is position 0); `runs[i]`: a verified
-        run of drafts, whose state after each row is kept until `rewind` (None: no runs).
+        run of drafts, whose state after each row is kept until `rewind` (None: no runs);
+        `cuts[i]`: rows after which its state is kept (`StepStates.cut_states`).
         The previous step's kept runs are let go."""
         self.kept_runs = {}
-        return StepStates(self, spans, lanes, fresh, runs or [False] * len(spans))
+        self.cut_states = {}
+        return StepStates(self, spans, lanes, fresh, runs or [False] * len(spans), cuts or [()] * len(spans))
+
+    def take_cuts(self) -> dict[int, dict[int, dict[int, dict[str, torch.Tensor]]]]:
+        """The last step's states at its cut points (lane -> rows into its span -> state), let go
+        here: a later step does not overwrite them, so a pipelined engine may post-process the
+        step after launching the next."""
+        cuts, self.cut_states = self.cut_states, {}
+        return cuts
 
     def rewind(self, lane: int, rows: int) -> None:
         """The lane keeps only the first `rows` rows of its verified run of the last step (the
@@ -182,11 +214,12 @@ class SlotStates:
     them before a layer's rows, scatters them back after. It verifies no drafts (`keep_run`)."""
 
     def __init__(self, pool: StatePool, slots: torch.Tensor, spans: list[tuple[int, int]],
-                 runs: list[bool]) -> None:
+                 runs: list[bool], cuts: list[tuple[int, ...]]) -> None:
         self.pool = pool
         self.slots = slots
         self.spans = spans
         self.runs = runs
+        self.cuts = cuts
 
     def load(self, layer: int) -> dict[str, torch.Tensor]:
         return {name: t.index_select(0, self.slots) for name, t in self.pool.layers[layer].items()}
@@ -201,15 +234,18 @@ class SlotStates:
     def keep_run(self, layer: int, seq: int, run: RunStates) -> None:
         raise RuntimeError("this step verifies no drafts")
 
+    def keep_cut(self, layer: int, seq: int, rows: int, state: dict[str, torch.Tensor]) -> None:
+        raise RuntimeError("this step has no cut points")
+
 
 class StepStates(SlotStates):
     """The StateContext of an eager step (`StatePool.step`): sequences starting at position 0
     begin from zeros, and verified runs keep their states for `StatePool.rewind`."""
 
     def __init__(self, pool: StatePool, spans: list[tuple[int, int]], lanes: list[int],
-                 fresh: list[bool], runs: list[bool]) -> None:
+                 fresh: list[bool], runs: list[bool], cuts: list[tuple[int, ...]]) -> None:
         slots = torch.tensor([pool.slot_of[lane] for lane in lanes], dtype=torch.int64, device=pool.device)
-        super().__init__(pool, slots, spans, runs)
+        super().__init__(pool, slots, spans, runs, cuts)
         self.lanes = lanes
         self.fresh = torch.tensor(fresh, dtype=torch.bool, device=pool.device)
         self.any_fresh = any(fresh)
@@ -225,6 +261,9 @@ class StepStates(SlotStates):
         lane = self.lanes[seq]
         self.pool.kept_runs.setdefault(lane, []).append((layer, self.pool.slot_of[lane], run))
 
+    def keep_cut(self, layer: int, seq: int, rows: int, state: dict[str, torch.Tensor]) -> None:
+        self.pool.cut_states.setdefault(self.lanes[seq], {}).setdefault(rows, {})[layer] = state
+
 
 def decode_states(pool: StatePool, slots: torch.Tensor) -> SlotStates:
     """The StateContext of a captured decode step (engine/graphs.py): one row per sequence, the
@@ -232,4 +271,4 @@ def decode_states(pool: StatePool, slots: torch.Tensor) -> SlotStates:
     slot, or `pool.trash` for a padding row), so the step reads and writes the states where they
     lie with no host work. No sequence starts at position 0 and none verifies drafts."""
     n = slots.shape[0]
-    return SlotStates(pool, slots, [(i, 1) for i in range(n)], [False] * n)
+    return SlotStates(pool, slots, [(i, 1) for i in range(n)], [False] * n, [()] * n)

@@ -33,6 +33,8 @@ class SeqSpec:
     # prefix leaving only its last token to read)
     drafted: bool = False  # a decoding lane's token and its drafts: every token a decode row, as
     # each would be decoded alone (a verified run rounds as the tokens decoded one at a time)
+    cuts: tuple[int, ...] = ()  # a prompt piece's rows after which a recurrent model keeps its
+    # state for a checkpoint (0 < c < n, ascending): cut points inside the step, not at its end
 
     @property
     def end(self) -> int:

@@ -21,6 +21,8 @@ pieces convolves exactly as if read at once.
 
 from __future__ import annotations
 
+from typing import Callable
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -37,6 +39,13 @@ from strata.models.deltanet_fla import (
 from strata.models.dense import Linear
 
 CHUNK = 64
+
+
+def cut_parts(span: tuple[int, int], cuts: tuple[int, ...]) -> list[tuple[int, int]]:
+    """A span (first row, rows) split after each of its cut rows (0 < c < rows, ascending)."""
+    start, n = span
+    bounds = [0, *cuts, n]
+    return [(start + lo, hi - lo) for lo, hi in zip(bounds, bounds[1:])]
 
 
 def l2_normalize(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
@@ -264,6 +273,34 @@ class GatedDeltaNet(nn.Module):
             after[i] = RunStates({"conv": convs, "ssm": ssms})
         return out, conv, ssm, after
 
+    def mix_cut(self, mix: Callable[..., tuple[torch.Tensor, torch.Tensor, torch.Tensor]],
+                mixed: torch.Tensor, b: torch.Tensor, a: torch.Tensor, conv: torch.Tensor,
+                ssm: torch.Tensor, states: StateContext) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """`mix` (one of the `mix_spans_*`) over the step's spans split at their cut points
+        (`states.cuts`): round r computes part r of every sequence that has one, from the state
+        the part before left, and each state at a cut goes to `states.keep_cut`. The parts are the
+        spans that steps ending at the cuts would have had."""
+        parts = [cut_parts(span, cuts) for span, cuts in zip(states.spans, states.cuts)]
+        out = torch.empty(mixed.shape[0], self.hv, self.dv, dtype=mixed.dtype, device=mixed.device)
+        conv, ssm = conv.clone(), ssm.clone()
+        for r in range(max(len(p) for p in parts)):
+            seqs = [i for i, p in enumerate(parts) if len(p) > r]
+            spans, rows = [], []
+            for i in seqs:
+                start, n = parts[i][r]
+                spans.append((len(rows), n))
+                rows.extend(range(start, start + n))
+            ix = torch.tensor(rows, device=mixed.device)
+            sx = torch.tensor(seqs, device=mixed.device)
+            o, c, s = mix(mixed[ix], b[ix], a[ix], conv[sx], ssm[sx], spans)
+            out[ix] = o
+            conv[sx], ssm[sx] = c, s
+            for j, i in enumerate(seqs):
+                if r < len(parts[i]) - 1:
+                    done = sum(n for _, n in parts[i][: r + 1])
+                    states.keep_cut(self.layer_index, i, done, {"conv": c[j], "ssm": s[j]})
+        return out, conv, ssm
+
     def mix_spans_fla(self, mixed: torch.Tensor, b: torch.Tensor, a: torch.Tensor, conv: torch.Tensor,
                       ssm: torch.Tensor, spans: list[tuple[int, int]]
                       ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -287,20 +324,26 @@ class GatedDeltaNet(nn.Module):
 
         bf16 / fp16 on CUDA with `fla` installed, the spans run through FLA's kernels, else
         through the torch code (`deltanet_fla.backend_for`); a step with verified runs of drafts
-        runs the torch code (`mix_runs`), which keeps each run's state after every row.
+        runs the torch code (`mix_runs`), which keeps each run's state after every row; a step
+        with cut points inside its prompt pieces computes them in parts (`mix_cut`).
         """
         if states is None:
             raise ValueError("a gated DeltaNet layer needs a StateContext for its recurrent state")
         mixed, z, b, a = self._split(x)
         before = states.load(self.layer_index)
         if any(states.runs):
+            if any(states.cuts):
+                raise ValueError("a step verifies drafts or cuts prompts at checkpoints, not both")
             out, conv, ssm, after = self.mix_runs(mixed, b, a, before["conv"], before["ssm"], states.spans,
                                                   states.runs)
             for seq, run in after.items():
                 states.keep_run(self.layer_index, seq, run)
         else:
             mix = self.mix_spans_fla if backend_for(x.device, x.dtype) == "fla" else self.mix_spans_torch
-            out, conv, ssm = mix(mixed, b, a, before["conv"], before["ssm"], states.spans)
+            if any(states.cuts):
+                out, conv, ssm = self.mix_cut(mix, mixed, b, a, before["conv"], before["ssm"], states)
+            else:
+                out, conv, ssm = mix(mixed, b, a, before["conv"], before["ssm"], states.spans)
         states.save(self.layer_index, {"conv": conv, "ssm": ssm})
         out = self.norm.forward(out, z).reshape(x.shape[0], -1)
         return self.out_proj.forward(out)

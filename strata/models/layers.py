@@ -276,6 +276,11 @@ class DecoderModel(nn.Module):
         """layer -> name -> dtype of the states in `state_layers` that are not float32."""
         return {}
 
+    def cuts_within_steps(self) -> bool:
+        """Whether every state layer keeps its state at rows inside a step (`StateContext.cuts`),
+        so a checkpoint needs no step boundary (engine/checkpoints.py)."""
+        return False
+
     def states_capturable(self) -> bool:
         """Whether a decode step's state layers read and write their lanes' slots on the device
         alone (no host reads of the step's slots), so a CUDA graph can capture the step."""

@@ -128,6 +128,11 @@ class Qwen3NextModel(DecoderModel):
         return {i: layer.linear_attn.state_shapes() for i, layer in enumerate(self.layers)
                 if layer.linear_attn is not None}
 
+    def cuts_within_steps(self) -> bool:
+        """Every state layer is a DeltaNet, which computes a prompt piece in parts at its cuts
+        (`GatedDeltaNet.mix_cut`)."""
+        return True
+
     def states_capturable(self) -> bool:
         """The DeltaNet layers gather and scatter their slots by a device index (a decode step's
         spans make no host tensors: `deltanet.py`, `deltanet_fla.varlen_layout`)."""

@@ -36,9 +36,9 @@ def folder(request, tmp_path_factory) -> str:
 
 
 def _engine(folder: str, **flags) -> Engine:
-    flags = {"parallel": 1, **flags}
+    flags = {"parallel": 1, "prefill_chunk": 8, **flags}
     return Engine(EngineConfig(model=folder, device="cpu", dtype="float32", weights="dense",
-                               max_context=128, prefill_chunk=8, **flags))
+                               max_context=128, **flags))
 
 
 @pytest.fixture(scope="module")
@@ -81,6 +81,26 @@ def test_an_edit_resumes_from_the_latest_checkpoint_before_it(folder: str, fresh
         edited = TURN1_EDITED + [70]
         out = eng.complete(edited, GREEDY)  # diverges at 22: the checkpoint at 16 (20 is too near it)
         assert out.cached_tokens == 16 and out.token_ids == fresh(edited)
+
+
+def test_cut_points_inside_one_step(folder: str, fresh) -> None:
+    """A prompt read in one step: Qwen3-Next's DeltaNet layers keep their state at the cut points
+    inside it (16 and 24, `mix_cut`), so the read takes one step, not three, and an edit and a
+    regenerate resume from those checkpoints with the answers of a read from 0. Gemma 3's window
+    ring cannot, and stops at each cut as before."""
+    with _engine(folder, prompt_cache_min_step=4, prefill_chunk=64) as eng:
+        first = eng.complete(TURN1, GREEDY)
+        inside, steps = eng.stats()["checkpoints"]["inside"], eng.steps
+        again = eng.complete(TURN1, GREEDY)
+        edited = TURN1_EDITED + [70]
+        out = eng.complete(edited, GREEDY)
+    assert first.token_ids == fresh(TURN1) and again.token_ids == first.token_ids
+    assert again.cached_tokens == len(TURN1) - 1
+    assert out.cached_tokens == 16 and out.token_ids == fresh(edited)
+    if "qwen3_next" in folder:
+        assert inside == 2 and steps == GREEDY.max_tokens  # the prompt step, then 9 decode steps
+    else:
+        assert inside == 0 and steps == GREEDY.max_tokens + 2
 
 
 def test_a_named_cut_point_serves_an_edit_after_it(folder: str, fresh) -> None:

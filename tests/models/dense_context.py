@@ -66,6 +66,8 @@ class DenseStates:
         self.seqs: list[str] = ["0"]
         self.spans: list[tuple[int, int]] = []
         self.runs: list[bool] = []  # no verified runs of drafts here
+        self.cuts: list[tuple[int, ...]] = []
+        self.at_cuts: dict[int, dict[int, dict[str, torch.Tensor]]] = {}  # rows -> layer -> state
         self.slot_of: dict[str, int] = {}
         self.held: dict[int, dict[str, torch.Tensor]] = {}
 
@@ -82,11 +84,18 @@ class DenseStates:
                 for name, shape in self.shapes[layer].items()}
         return self.held[layer]
 
-    def step(self, spans: list[tuple[int, int]], seqs: list[str] | None = None) -> None:
-        """The next step's row spans and which sequence each is (default: the first)."""
+    def step(self, spans: list[tuple[int, int]], seqs: list[str] | None = None,
+             cuts: list[tuple[int, ...]] | None = None) -> None:
+        """The next step's row spans, which sequence each is (default: the first) and the rows
+        after which each keeps its state (`at_cuts`, of the first sequence's cuts)."""
         self.spans = spans
         self.seqs = seqs or ["0"] * len(spans)
         self.runs = [False] * len(spans)
+        self.cuts = cuts or [()] * len(spans)
+        self.at_cuts = {}
+
+    def keep_cut(self, layer: int, seq: int, rows: int, state: dict[str, torch.Tensor]) -> None:
+        self.at_cuts.setdefault(rows, {})[layer] = {n: t.clone() for n, t in state.items()}
 
     def keep_run(self, layer: int, seq: int, run: object) -> None:
         raise AssertionError("this context steps no verified runs of drafts")

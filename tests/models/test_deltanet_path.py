@@ -95,3 +95,48 @@ def test_a_decode_step_computes_as_its_rows_among_a_prompt() -> None:
     assert torch.equal(out, ref_out[:n]) and torch.equal(c, ref_c[:n]) and torch.equal(s, ref_s[:n])
     other, _, _ = layer.mix_spans_torch(mixed[:n], b[:n], a[:n], conv[:n], ssm[:n].flip(0), decode)
     assert not torch.equal(other, out)
+
+
+class _Cuts:
+    """The part of a StateContext `mix_cut` reads: spans, cut rows, and the states handed over."""
+
+    def __init__(self, spans: list[tuple[int, int]], cuts: list[tuple[int, ...]]) -> None:
+        self.spans, self.cuts = spans, cuts
+        self.kept: dict[tuple[int, int], dict[str, torch.Tensor]] = {}
+
+    def keep_cut(self, layer: int, seq: int, rows: int, state: dict[str, torch.Tensor]) -> None:
+        self.kept[(seq, rows)] = state
+
+
+@pytest.mark.parametrize("shift", [0, 1], ids=["exact", "control"])
+@torch.no_grad()
+def test_cut_points_inside_a_step_are_steps_ending_there(shift: int) -> None:
+    """A step whose prompt pieces carry cut points (a piece of 11 rows cut after 4 and 10, a
+    decode row, a piece of 6 cut after 1) gives, bit for bit, the outputs and final states of each
+    sequence read alone in steps ending at its cuts, and hands over the state at each cut. The
+    control compares the handed-over states with steps ending one row later: they differ."""
+    layer = _layer()
+    g = torch.Generator().manual_seed(2)
+    spans, cuts = [(0, 11), (11, 1), (12, 6)], [(4, 10), (), (1,)]
+    t, n = 18, 3
+    mixed = torch.randn(t, layer.conv_dim, generator=g)
+    b, a = torch.randn(t, layer.hv, generator=g), torch.randn(t, layer.hv, generator=g)
+    conv = torch.randn(n, layer.conv_dim, layer.kernel - 1, generator=g)
+    ssm = 0.3 * torch.randn(n, layer.hv, layer.dk, layer.dv, generator=g)
+    ctx = _Cuts(spans, cuts)
+    out, c, s = layer.mix_cut(layer.mix_spans_torch, mixed, b, a, conv, ssm, ctx)
+    assert sorted(ctx.kept) == [(0, 4), (0, 10), (2, 1)]
+    for i, ((start, rows), at) in enumerate(zip(spans, cuts)):
+        sc, ss = conv[i : i + 1], ssm[i : i + 1]
+        bounds = [0, *(x + shift for x in at if x + shift < rows), rows]
+        for lo, hi in zip(bounds, bounds[1:]):
+            r = slice(start + lo, start + hi)
+            o, sc, ss = layer.mix_spans_torch(mixed[r], b[r], a[r], sc, ss, [(0, hi - lo)])
+            if not shift:
+                assert torch.equal(out[r], o)
+            if (i, hi - shift) in ctx.kept:
+                kept = ctx.kept[(i, hi - shift)]
+                same = torch.equal(kept["conv"], sc[0]) and torch.equal(kept["ssm"], ss[0])
+                assert same == (not shift)
+        if not shift:
+            assert torch.equal(c[i], sc[0]) and torch.equal(s[i], ss[0])
