@@ -22,6 +22,7 @@ with `--ctx-checkpoints 8` against `--ctx-checkpoints 0` and no prompt cache.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import sys
 import tempfile
@@ -159,6 +160,23 @@ def profile_turn(eng: Engine, rows: list[dict[str, Any]], top: int = 25) -> list
     return prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=top).splitlines()
 
 
+def decode_speeds(eng: Engine, tokens: int) -> dict[str, Any]:
+    """One lane's decode tokens/s after a prompt of up to 512 tokens: every step eager, and
+    through the runner's decode graphs where it has them (Qwen3-Next's on CUDA)."""
+    from benchmarks.engine_runs import decode_run, eager_steps
+
+    prompt = min(512, eng.config.max_context - tokens - 16)
+    out: dict[str, Any] = {"prompt_tokens": prompt, "tokens": tokens}
+    for salt, label in ((5, "graphs"), (9, "eager")):
+        if label == "graphs" and eng.runner.graphs is None:
+            continue
+        with contextlib.nullcontext() if label == "graphs" else eager_steps(eng.runner):
+            decode_run(eng, 1, prompt, 8, salt)  # compiles (and captures)
+            run = decode_run(eng, 1, prompt, tokens, salt + 1)
+        out[label + "_tokens_per_s"] = round(run["decode_tokens_per_s"], 1)
+    return out
+
+
 def long_reads(send: Send, n: int, cut_every: int, reps: int = 3) -> list[float]:
     """Seconds to the first token of `reps` fresh `n`-token prompts, named cut points every
     `cut_every` tokens (a long chat's message ends); nothing is reused between them."""
@@ -200,6 +218,9 @@ def main(argv: list[str] | None = None) -> int:
                    help="also read fresh N-token prompts with checkpoints on and off (the reading cost)")
     p.add_argument("--long-cut", type=int, default=1024, help="named cut points every so many tokens of them")
     p.add_argument("--profile", action="store_true", help="add torch.profiler's table of one later turn")
+    p.add_argument("--decode", type=int, default=0, metavar="N",
+                   help="also time N decode tokens of one lane after a 512-token prompt, stepping "
+                        "eagerly and (on CUDA) through the decode graphs")
     p.add_argument("--gguf", action="store_true", help="load the model as a GGUF (written from the HF model)")
     p.add_argument("--tokenizer", default=".bench/tokenizer.gguf",
                    help="the GGUF whose tokenizer a written GGUF carries (`python -m tools.synth OUT "
@@ -227,12 +248,16 @@ def main(argv: list[str] | None = None) -> int:
                     runs[label + "_long"] = long_reads(engine_sender(eng), args.long, args.long_cut)
                 if args.profile and label == "checkpoints":
                     runs["profile"] = profile_turn(eng, runs[label])
+                if args.decode and label == "checkpoints":
+                    runs["decode"] = decode_speeds(eng, args.decode)
         out: dict[str, Any] = {"device": args.device, "dtype": args.dtype, "hidden": args.hidden, "layers": args.layers,
                                "system_tokens": args.system, "min_step": args.min_step, "model": Path(model).name,
                                "strata": compare(runs["from_zero"], runs["checkpoints"]),
                                "checkpoints": runs["checkpoints_checkpoints"]}
         if args.profile:
             out["profile"] = runs["profile"]
+        if args.decode:
+            out["decode"] = runs["decode"]
         if args.long:
             zero, cp = runs["from_zero_long"], runs["checkpoints_long"]
             out["long_prompt"] = {"tokens": args.long, "cut_every": args.long_cut, "from_zero_s": zero,
