@@ -44,13 +44,18 @@ if TYPE_CHECKING:  # the kernels need Triton; staging (host work) does not
 # Padded lane counts: powers of two, then steps of 16 (a decode step's cost grows slowly with lanes).
 SIZES = (1, 2, 4, 8, 16, 32, 48, 64, 80, 96, 112, 128, 160, 192, 224, 256)
 _IDS, _POS, _ROWS, _LANE, _LENS, _CELLS, _SLOT = range(7)
+META_ROWS = 7  # rows of a step's staged metadata, as above
+
+
+class CaptureFailed(RuntimeError):
+    """A decode step could not be captured (or its warm-up failed): the runner steps eagerly."""
 
 
 @dataclass
 class _Entry:
     size: int
-    host: torch.Tensor  # [7, size] int64, pinned: staged metadata
-    meta: torch.Tensor  # [7, size] int64 on the device, read by the graph
+    host: torch.Tensor  # [META_ROWS, size] int64, pinned: staged metadata
+    meta: torch.Tensor  # [META_ROWS, size] int64 on the device, read by the graph
     ctx: GpuTableAttention
     copied: torch.cuda.Event
     graph: torch.cuda.CUDAGraph | None = None
@@ -117,6 +122,12 @@ class DecodeGraphs:
 
     def size_for(self, lanes: int) -> int:
         return next(s for s in self.sizes if s >= lanes)
+
+    def prepare(self, lanes: int) -> None:
+        """Capture the graph a step of `lanes` lanes replays, unless it exists (CaptureFailed if
+        it cannot be: nothing a lane owns was written, since the warm-up and the capture run on
+        padding rows only)."""
+        self._entry(self.size_for(lanes))
 
     @torch.inference_mode()
     def forward(self, seqs: list[SeqSpec], tokens: list[int],
@@ -203,9 +214,9 @@ class DecodeGraphs:
         if e is not None:
             return e
         dev = self.pool.device
-        host = torch.zeros((7, size), dtype=torch.int64).pin_memory()
+        host = torch.zeros((META_ROWS, size), dtype=torch.int64).pin_memory()
         host[_ROWS] = torch.arange(size)
-        meta = torch.zeros((7, size), dtype=torch.int64, device=dev)
+        meta = torch.zeros((META_ROWS, size), dtype=torch.int64, device=dev)
         from strata.attention.triton_pool import GpuTableAttention
 
         ctx = GpuTableAttention.for_graph(self.pool, meta[_ROWS:_SLOT], self.scale)
@@ -218,13 +229,17 @@ class DecodeGraphs:
         meta.copy_(host)
         side = torch.cuda.Stream(dev)
         side.wait_stream(torch.cuda.current_stream(dev))
-        with torch.cuda.stream(side):  # warm-up outside capture: kernel compiles, library handles
-            for _ in range(2):
-                self._step(e)
-        torch.cuda.current_stream(dev).wait_stream(side)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            e.logits = self._step(e)
+        try:
+            with torch.cuda.stream(side):  # warm-up outside capture: kernel compiles, library handles
+                for _ in range(2):
+                    self._step(e)
+            torch.cuda.current_stream(dev).wait_stream(side)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph):
+                e.logits = self._step(e)
+        except Exception as err:  # noqa: BLE001 - any failure: the step runs eagerly instead
+            torch.cuda.current_stream(dev).wait_stream(side)
+            raise CaptureFailed(f"{type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''}") from err
         e.graph = graph
         self._entries[size] = e
         return e

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable
 from typing import Protocol
 
@@ -11,6 +12,8 @@ from strata.attention.select import HAVE_TRITON, backend_for, graphs_possible
 from strata.kv.pool import KvPool
 from strata.kv.state import StatePool
 from strata.kv.step import SeqSpec, sampled_rows, step_positions
+
+log = logging.getLogger(__name__)
 
 
 class StepHooks(Protocol):
@@ -80,7 +83,8 @@ class Runner:
         With CUDA graphs the ids are copied on the device, so the step is
         launched without waiting for the previous one to finish.
         """
-        if self.graphs is not None and self.graphs.supports(seqs, [True] * len(seqs)):
+        if self.graphs is not None and self.graphs.supports(seqs, [True] * len(seqs)) \
+                and self._graphs_ready(len(seqs)):
             self.hidden = None
             return self._told(len(seqs), lambda: self.graphs.forward(seqs, [0] * len(seqs), device_ids=ids))
         return self.forward(seqs, ids.tolist(), [True] * len(seqs))
@@ -89,6 +93,21 @@ class Runner:
     def forward(self, seqs: list[SeqSpec], tokens: list[int], sample: list[int]) -> torch.Tensor:
         """Logits (float32) of the rows `sampled_rows(seqs, sample)` names, in order."""
         return self._told(len(tokens), lambda: self._forward(seqs, tokens, sample))
+
+    def _graphs_ready(self, lanes: int) -> bool:
+        """Whether the decode graph of `lanes` lanes exists or captures now. A capture that fails
+        turns this runner's graphs off, with one warning, and its steps run eagerly."""
+        assert self.graphs is not None
+        from strata.engine.graphs import CaptureFailed
+
+        try:
+            self.graphs.prepare(lanes)
+            return True
+        except CaptureFailed as e:
+            log.warning("decode steps run eagerly from now on: a CUDA graph of %d lanes did not capture (%s)",
+                        lanes, e)
+            self.graphs = None
+            return False
 
     def _told(self, rows: int, launch: Callable[[], torch.Tensor]) -> torch.Tensor:
         """launch() with the hooks told of its `rows` real rows before and after."""
@@ -103,7 +122,7 @@ class Runner:
         self.hidden = None  # a captured graph's step keeps none
         if self.graphs is not None:
             rows = self.graphs.step_rows(seqs, sample)  # drafts verified as decode rows
-            if rows is not None and self.graphs.supports(rows, [1] * len(rows)):
+            if rows is not None and self.graphs.supports(rows, [1] * len(rows)) and self._graphs_ready(len(rows)):
                 return self.graphs.forward(rows, tokens)  # valid until the next step: sample at once
         input_ids = torch.tensor(tokens, dtype=torch.int64, device=self.device)
         positions = step_positions(seqs)

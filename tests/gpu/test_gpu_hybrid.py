@@ -3,6 +3,8 @@ CPU engine's greedy tokens, and a repeat resumes through a checkpoint on the dev
 
 from __future__ import annotations
 
+import logging
+
 import pytest
 import torch
 
@@ -72,6 +74,29 @@ def test_recurrent_decode_replays_graphs(kind: str, dtype: str, tmp_path) -> Non
     assert alone == eager
     if dtype == "float32":
         assert together == eager
+
+
+def test_a_graph_that_does_not_capture_leaves_the_steps_eager(tmp_path, caplog) -> None:
+    """A capture that fails (here: every decode step's warm-up raises) turns the runner's graphs
+    off with one warning; the steps run eagerly and answer as an engine that never had graphs."""
+    save_tiny("qwen3_next_dense", tmp_path)
+    save_byte_tokenizer(tmp_path)
+    eager, _ = _decode_run(str(tmp_path), "float32", 1, graphs=False)
+    cfg = EngineConfig(model=str(tmp_path), device="cuda", dtype="float32", weights="dense", parallel=1,
+                       max_context=128, prefill_chunk=8)
+    with Engine(cfg) as eng:
+        graphs = eng.runner.graphs
+        assert graphs is not None
+
+        def broken(entry: object) -> None:
+            raise RuntimeError("operation not permitted when stream is capturing")
+
+        graphs._step = broken  # type: ignore[method-assign]
+        with caplog.at_level(logging.WARNING):
+            out = [eng.complete(p, GREEDY).token_ids for p in PROMPTS]
+        assert eng.runner.graphs is None
+    assert out == eager
+    assert caplog.text.count("did not capture") == 1
 
 
 @pytest.mark.parametrize("kind", ["gemma3", "qwen3_next", "qwen3_next_mtp"])
