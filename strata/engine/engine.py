@@ -48,7 +48,7 @@ from strata.engine.speculative import STEP_ROWS, Proposer, SpecConfig, Speculato
 from strata.engine.stats import describe_memory, memory_figures, pool_and_lane_figures
 from strata.engine.stop import StopMatcher
 from strata.engine.suffix import SharedCorpus
-from strata.engine.threads import CpuThreads, find_cores
+from strata.engine.threads import CpuThreads, find_cores, release_openmp_pool
 from strata.engine.types import FinishReason, PromptProgress, SamplingParams, StreamEvent
 from strata.errors import (
     BadRequest,
@@ -134,6 +134,7 @@ class Engine:
                                         name="strata-engine", daemon=True)
         self._thread.start()
         ready.result()  # re-raises a load error here, in the caller's thread
+        release_openmp_pool()  # the caller's idle OpenMP workers would slow the engine's (threads.py)
 
     def _main(self, loaded: Any, ready: Future) -> None:
         try:

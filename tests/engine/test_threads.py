@@ -5,9 +5,12 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
+import time
 from pathlib import Path
 
 import pytest
+import torch
 
 from strata.engine.config import EngineConfig, add_engine_arguments, config_from_args
 from strata.engine.engine import Engine
@@ -19,8 +22,10 @@ from strata.engine.threads import (
     cgroup_quota,
     find_cores,
     ladder,
+    openmp_runtimes,
     parse_cpu_max,
     parse_threads,
+    release_openmp_pool,
 )
 from strata.engine.types import SamplingParams
 
@@ -320,3 +325,28 @@ def test_default_model_switching_threads_changes_no_token() -> None:
     switched, stats = _generate(loaded, None, PROMPTS, True, parallel=3)
     assert stats["cpu_thread_switches"] >= 10
     assert switched == fixed
+
+
+def test_openmp_runtimes_are_read_from_the_process_maps() -> None:
+    maps = ("7f00-7f10 r-xp 0 08:01 1 /usr/lib/libc.so.6\n"
+            "7f10-7f20 r-xp 0 08:01 2 /venv/torch/lib/libgomp.so.1\n"
+            "7f20-7f30 r--p 0 08:01 2 /venv/torch/lib/libgomp.so.1\n"
+            "7f30-7f40 r-xp 0 08:01 3 /opt/intel/libiomp5.so\n"
+            "7f40-7f50 rw-p 0 00:00 0 [heap]\n")
+    assert openmp_runtimes(maps) == ["/opt/intel/libiomp5.so", "/venv/torch/lib/libgomp.so.1"]
+    assert openmp_runtimes("7f40-7f50 rw-p 0 00:00 0 [stack]\n") == []
+
+
+def test_the_callers_openmp_workers_go() -> None:
+    """After a parallel torch operation this thread owns an OpenMP pool (threads - 1 worker
+    threads); `release_openmp_pool` lets them go, as the engine's constructor does for its caller
+    (libgomp stops spinning once it has more workers than cores: docs/PERFORMANCE.md)."""
+    if torch.get_num_threads() < 2 or not openmp_runtimes() or not os.path.isdir("/proc/self/task"):
+        pytest.skip("needs two threads and an OpenMP runtime on Linux")
+    torch.ones(1 << 22).add_(1)  # a parallel region on this thread
+    before = len(os.listdir("/proc/self/task"))
+    assert release_openmp_pool() >= 1
+    deadline = time.monotonic() + 5
+    while len(os.listdir("/proc/self/task")) >= before and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert len(os.listdir("/proc/self/task")) < before
