@@ -178,7 +178,8 @@ def _decode_step(engine: Engine, lanes: int, position: int,
 
 def step_timing(engine: Engine, lanes: int, position: int, reps: int = 20, rows: int = 1) -> dict:
     """Wall time of the runner's forward for one decode step of `rows` rows a lane, synchronized
-    (no sampling, no engine)."""
+    (no sampling, no engine). Call it on the engine's thread (`engine.call`), as its steps run: on
+    the CPU another thread's OpenMP pool slows both (engine/threads.py)."""
     seqs, toks, sample = _decode_step(engine, lanes, position, rows)
     for _ in range(3):
         engine.runner.forward(seqs, toks, sample)
@@ -193,7 +194,8 @@ def step_timing(engine: Engine, lanes: int, position: int, reps: int = 20, rows:
 
 
 def profile_step(engine: Engine, lanes: int, position: int, reps: int = 5) -> tuple[dict, str]:
-    """Torch profiler over `reps` decode steps: device time per step and the costliest operators."""
+    """Torch profiler over `reps` decode steps: device time per step and the costliest operators.
+    On the engine's thread, as `step_timing`."""
     from torch.profiler import ProfilerActivity, profile
 
     seqs, toks, sample = _decode_step(engine, lanes, position)

@@ -23,6 +23,7 @@ import gc
 import json
 import sys
 import time
+from functools import partial
 from typing import Any
 
 import torch
@@ -105,11 +106,17 @@ def _engine_stages(args: Any, cfg: EngineConfig, loaded: Any, weight_bytes: int,
     return cuda
 
 
+def _on_engine(engine: Engine, runs: list[Any]) -> list[Any]:
+    """Each run's result, run on the engine's thread as its steps are: on the CPU this (main)
+    thread's own OpenMP pool would slow both (engine/threads.py)."""
+    return engine.call(lambda: [run() for run in runs]).result()
+
+
 def _profiles(args: Any, engine: Engine, tables: list[str], label: str) -> list[dict]:
     """Profiles of one decode step per `--profile-lanes` count; their tables go to `tables`."""
     result = []
     for n in [int(x) for x in args.profile_lanes.split(",") if x]:
-        summary, table = profile_step(engine, n, args.prompt_tokens)
+        summary, table = engine.call(lambda: profile_step(engine, n, args.prompt_tokens)).result()
         result.append(summary)
         title = f"== decode step{label}, {n} lanes at position {args.prompt_tokens} =="
         tables.append(f"{title}\n{table}")
@@ -131,7 +138,8 @@ def _eager_stages(args: Any, engine: Engine, lanes: list[int], lengths: list[int
                                             salt=1000 * n) for n in lanes])
     stage("prompt", lambda: [prompt_run(engine, n, salt=500_000 + n) for n in lengths])
     if not args.skip_eager:
-        stage("forward_step", lambda: [step_timing(engine, n, args.prompt_tokens) for n in lanes])
+        stage("forward_step", lambda: _on_engine(engine, [partial(step_timing, engine, n, args.prompt_tokens)
+                                                          for n in lanes]))
         if engine.device.type == "cuda":
             stage("profile", lambda: _profiles(args, engine, tables, ""))
 
@@ -148,7 +156,8 @@ def _graph_stages(args: Any, engine: Engine, lanes: list[int], stage: Any,
     stage("graphs_warmup_seconds", graph_warmup)
     stage("decode_graphs", lambda: [decode_run(engine, n, args.prompt_tokens, args.gen_tokens,
                                                salt=2000 * n) for n in lanes])
-    stage("forward_step_graphs", lambda: [step_timing(engine, n, args.prompt_tokens) for n in lanes])
+    stage("forward_step_graphs", lambda: _on_engine(engine, [partial(step_timing, engine, n, args.prompt_tokens)
+                                                              for n in lanes]))
     stage("profile_graphs", lambda: _profiles(args, engine, tables, " (CUDA graph)"))
     sizes = [int(x) for x in args.company.split(",") if x]
     if sizes:
