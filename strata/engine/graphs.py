@@ -70,7 +70,9 @@ class DecodeGraphs:
     `embed`: the part starts from token ids (else from `hidden` given to `forward`); `head`: it
     ends with the final norm and the logits (else it returns hidden states); `rope`: the RoPE
     tables on the pool's device where they are not the model's own; `states`: a recurrent
-    model's state pool (its layers read and write their lanes' slots in the graph).
+    model's state pool (its layers read and write their lanes' slots in the graph), which needs
+    its trash slot; its graphs hold decode rows only, so `rows_per_lane` is then 1 (drafts are
+    verified eagerly: `step_rows`).
     """
 
     def __init__(self, model: torch.nn.Module, pool: KvPool, scale: float, layers: range | None = None,
@@ -201,7 +203,8 @@ class DecodeGraphs:
         h[_LANE, start:stop] = 0
         h[_LENS, start:stop] = 1
         h[_CELLS, start:stop] = self.pool.trash * self.pool.chunk_size
-        h[_SLOT, start:stop] = 0 if self.states is None else self.states.trash or 0
+        if self.states is not None:
+            h[_SLOT, start:stop] = self.states.trash
 
     def dtype(self) -> torch.dtype:
         """The hidden states' dtype: the part's first weights'."""

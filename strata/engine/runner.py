@@ -9,6 +9,7 @@ from typing import Protocol
 import torch
 
 from strata.attention.select import HAVE_TRITON, backend_for, graphs_possible
+from strata.engine.graphs import CaptureFailed  # host work only: Triton comes with its captures
 from strata.kv.pool import KvPool
 from strata.kv.state import StatePool
 from strata.kv.step import SeqSpec, sampled_rows, step_positions
@@ -98,8 +99,6 @@ class Runner:
         """Whether the decode graph of `lanes` lanes exists or captures now. A capture that fails
         turns this runner's graphs off, with one warning, and its steps run eagerly."""
         assert self.graphs is not None
-        from strata.engine.graphs import CaptureFailed
-
         try:
             self.graphs.prepare(lanes)
             return True

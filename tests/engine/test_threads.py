@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 import logging
 import os
+import sys
 import time
 from pathlib import Path
 
@@ -337,16 +338,21 @@ def test_openmp_runtimes_are_read_from_the_process_maps() -> None:
     assert openmp_runtimes("7f40-7f50 rw-p 0 00:00 0 [stack]\n") == []
 
 
+@pytest.mark.skipif(sys.platform != "linux", reason="reads the process's threads and mappings in /proc")
 def test_the_callers_openmp_workers_go() -> None:
     """After a parallel torch operation this thread owns an OpenMP pool (threads - 1 worker
     threads); `release_openmp_pool` lets them go, as the engine's constructor does for its caller
     (libgomp stops spinning once it has more workers than cores: docs/PERFORMANCE.md)."""
-    if torch.get_num_threads() < 2 or not openmp_runtimes() or not os.path.isdir("/proc/self/task"):
-        pytest.skip("needs two threads and an OpenMP runtime on Linux")
-    torch.ones(1 << 22).add_(1)  # a parallel region on this thread
-    before = len(os.listdir("/proc/self/task"))
-    assert release_openmp_pool() >= 1
-    deadline = time.monotonic() + 5
-    while len(os.listdir("/proc/self/task")) >= before and time.monotonic() < deadline:
-        time.sleep(0.01)
-    assert len(os.listdir("/proc/self/task")) < before
+    assert openmp_runtimes(), "torch's OpenMP runtime is not among the process's mappings"
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)  # a pool of one worker even on one core
+    try:
+        torch.ones(1 << 22).add_(1)  # a parallel region on this thread
+        before = len(os.listdir("/proc/self/task"))
+        assert release_openmp_pool() >= 1
+        deadline = time.monotonic() + 5
+        while len(os.listdir("/proc/self/task")) >= before and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert len(os.listdir("/proc/self/task")) < before
+    finally:
+        torch.set_num_threads(threads)
