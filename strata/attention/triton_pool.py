@@ -67,7 +67,7 @@ class GpuTableAttention:
         self._setup(pool, scale)
         cells = step_cells(pool, seqs)
         parts = [cells.write, *batch_parts(cells, cells.lanes)]
-        packed = torch.cat(parts).to(pool.device)  # one host-to-device copy per step
+        packed = torch.cat(parts).to(pool.device, non_blocking=True)  # one copy a step, no wait
         views = list(packed.split([p.numel() for p in parts]))
         self.write_cells = views[0]
         self.decode, self.prefill = batches(cells, views[1:])

@@ -79,6 +79,7 @@ from strata.models.rope import is_scaled
 from strata.parallel.build import PoolShape, part_on
 from strata.parallel.split_pool import SplitPool
 from strata.tokenizer import IncrementalDetokenizer
+from strata.uploads import upload
 
 log = logging.getLogger("strata.engine")
 EXPERT_RESERVE = 2 << 30  # device bytes --expert-cache auto leaves for activations and graphs
@@ -680,7 +681,7 @@ class Engine:
         keep = [first[i] for i in rows]
         logits = launched.logits
         if keep != list(range(logits.shape[0])):
-            logits = logits[torch.tensor(keep, device=logits.device)]
+            logits = logits[upload(keep, logits.device)]
         return self._pick(logits, reqs, words, launched, rows)
 
     def _pick(self, logits: torch.Tensor, reqs: list[Request], words: torch.Tensor | None = None,

@@ -13,6 +13,7 @@ from strata.engine.graphs import CaptureFailed  # host work only: Triton comes w
 from strata.kv.pool import KvPool
 from strata.kv.state import StatePool
 from strata.kv.step import SeqSpec, sampled_rows, step_positions
+from strata.uploads import upload
 
 log = logging.getLogger(__name__)
 
@@ -123,11 +124,11 @@ class Runner:
             rows = self.graphs.step_rows(seqs, sample)  # drafts verified as decode rows
             if rows is not None and self.graphs.supports(rows, [1] * len(rows)) and self._graphs_ready(len(rows)):
                 return self.graphs.forward(rows, tokens)  # valid until the next step: sample at once
-        input_ids = torch.tensor(tokens, dtype=torch.int64, device=self.device)
+        input_ids = upload(tokens, self.device)
         positions = step_positions(seqs)
         ctx = self.context(self.pool, seqs, self.scale)
         if self.states is None:
-            hidden = self.model(input_ids, positions.to(self.device), ctx)
+            hidden = self.model(input_ids, positions.to(self.device, non_blocking=True), ctx)
         else:
             rows = [0]
             for s in seqs[:-1]:
@@ -137,9 +138,9 @@ class Runner:
             states = self.states.step([(r, s.n) for r, s in zip(rows, seqs)], [s.lane for s in seqs],
                                       [s.start == 0 for s in seqs], [w > 1 for w in sample],
                                       [s.cuts for s in seqs])
-            hidden = self.model(input_ids, positions.to(self.device), ctx, states=states)
+            hidden = self.model(input_ids, positions.to(self.device, non_blocking=True), ctx, states=states)
         self.hidden = hidden if self.keep_hidden else None
         rows = sampled_rows(seqs, sample)
         if not rows:
             return torch.empty(0, device=self.device)
-        return self.model.compute_logits(hidden[torch.tensor(rows, device=self.device)])
+        return self.model.compute_logits(hidden[upload(rows, self.device)])

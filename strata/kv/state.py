@@ -39,6 +39,8 @@ from typing import Protocol
 
 import torch
 
+from strata.uploads import upload
+
 StateShapes = dict[str, tuple[int, ...]]  # state name -> per-lane shape
 StateDtypes = dict[str, torch.dtype]  # state name -> dtype, where it is not float32
 
@@ -244,17 +246,17 @@ class StepStates(SlotStates):
 
     def __init__(self, pool: StatePool, spans: list[tuple[int, int]], lanes: list[int],
                  fresh: list[bool], runs: list[bool], cuts: list[tuple[int, ...]]) -> None:
-        slots = torch.tensor([pool.slot_of[lane] for lane in lanes], dtype=torch.int64, device=pool.device)
+        slots = upload([pool.slot_of[lane] for lane in lanes], pool.device)
         super().__init__(pool, slots, spans, runs, cuts)
         self.lanes = lanes
-        self.fresh = torch.tensor(fresh, dtype=torch.bool, device=pool.device)
+        self.fresh = upload(fresh, pool.device, torch.bool)
         self.any_fresh = any(fresh)
 
     def load(self, layer: int) -> dict[str, torch.Tensor]:
         out = super().load(layer)
-        if self.any_fresh:
+        if self.any_fresh:  # a masked fill, not a boolean index: that would wait for the device
             for s in out.values():
-                s[self.fresh] = 0
+                s.masked_fill_(self.fresh.view(-1, *[1] * (s.dim() - 1)), 0)
         return out
 
     def keep_run(self, layer: int, seq: int, run: RunStates) -> None:

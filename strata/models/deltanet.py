@@ -21,6 +21,8 @@ pieces convolves exactly as if read at once.
 
 from __future__ import annotations
 
+import functools
+from dataclasses import dataclass
 from typing import Callable
 
 import torch
@@ -28,6 +30,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from strata.kv.state import RunStates, StateContext, StateShapes
+from strata.models import ops
 from strata.models.base import ModelConfig
 from strata.models.deltanet_fla import (
     backend_for,
@@ -37,6 +40,7 @@ from strata.models.deltanet_fla import (
     varlen_layout,
 )
 from strata.models.dense import Linear
+from strata.uploads import upload
 
 CHUNK = 64
 
@@ -46,6 +50,38 @@ def cut_parts(span: tuple[int, int], cuts: tuple[int, ...]) -> list[tuple[int, i
     start, n = span
     bounds = [0, *cuts, n]
     return [(start + lo, hi - lo) for lo, hi in zip(bounds, bounds[1:])]
+
+
+@dataclass(frozen=True)
+class CutRound:
+    """Round r of `GatedDeltaNet.mix_cut`: part r of each sequence that has one.
+
+    `rows` [P] / `seqs` [S]: the step's rows and sequences it takes (device); `spans`: its
+    parts as spans of those rows; `cut_at`: (sequence, rows done at the part's end, or 0 where
+    the part ends the sequence's span and so is no cut)."""
+
+    rows: torch.Tensor
+    seqs: torch.Tensor
+    spans: list[tuple[int, int]]
+    cut_at: list[tuple[int, int]]
+
+
+@functools.lru_cache(maxsize=8)
+def cut_rounds(parts: tuple[tuple[tuple[int, int], ...], ...], device: torch.device) -> list[CutRound]:
+    """The rounds of a step's parts (cached: every DeltaNet layer of the step asks for the same,
+    and its index tensors go to the device once)."""
+    rounds = []
+    for r in range(max(len(p) for p in parts)):
+        seqs = [i for i, p in enumerate(parts) if len(p) > r]
+        spans: list[tuple[int, int]] = []
+        rows: list[int] = []
+        for i in seqs:
+            start, n = parts[i][r]
+            spans.append((len(rows), n))
+            rows.extend(range(start, start + n))
+        cut_at = [(i, sum(n for _, n in parts[i][: r + 1]) if r < len(parts[i]) - 1 else 0) for i in seqs]
+        rounds.append(CutRound(upload(rows, device), upload(seqs, device), spans, cut_at))
+    return rounds
 
 
 def l2_normalize(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
@@ -156,8 +192,7 @@ class GatedRMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
-        normed = F.rms_norm(x.float(), x.shape[-1:], eps=self.eps).to(x.dtype)
-        return (self.weight * normed * F.silu(z.float())).to(x.dtype)
+        return ops.gated_rms_norm(x, z, self.weight, self.eps)
 
 
 class GatedDeltaNet(nn.Module):
@@ -200,7 +235,7 @@ class GatedDeltaNet(nn.Module):
 
     def _gates(self, b: torch.Tensor, a: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """beta (the delta rule's strength) and g (the log decay, float32) from b and a."""
-        return b.sigmoid(), -self.A_log.float().exp() * F.softplus(a.float() + self.dt_bias)
+        return ops.deltanet_gates(b, a, self.A_log, self.dt_bias)
 
     def _mix(self, mixed: torch.Tensor, b: torch.Tensor, a: torch.Tensor, conv: torch.Tensor,
              ssm: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -236,8 +271,8 @@ class GatedDeltaNet(nn.Module):
         out = torch.empty(mixed.shape[0], self.hv, self.dv, dtype=mixed.dtype, device=mixed.device)
         single = [i for i, (_, n) in enumerate(spans) if n == 1]
         if single:
-            seqs = torch.tensor(single, device=mixed.device)
-            rows = torch.tensor([spans[i][0] for i in single], device=mixed.device)
+            seqs = upload(single, mixed.device)
+            rows = upload([spans[i][0] for i in single], mixed.device)
             o, conv[seqs], ssm[seqs] = self._mix(mixed[rows, None], b[rows, None], a[rows, None],
                                                  conv[seqs], ssm[seqs])
             out[rows] = o[:, 0]
@@ -280,24 +315,15 @@ class GatedDeltaNet(nn.Module):
         (`states.cuts`): round r computes part r of every sequence that has one, from the state
         the part before left, and each state at a cut goes to `states.keep_cut`. The parts are the
         spans that steps ending at the cuts would have had."""
-        parts = [cut_parts(span, cuts) for span, cuts in zip(states.spans, states.cuts)]
+        parts = tuple(tuple(cut_parts(span, cuts)) for span, cuts in zip(states.spans, states.cuts))
         out = torch.empty(mixed.shape[0], self.hv, self.dv, dtype=mixed.dtype, device=mixed.device)
         conv, ssm = conv.clone(), ssm.clone()
-        for r in range(max(len(p) for p in parts)):
-            seqs = [i for i, p in enumerate(parts) if len(p) > r]
-            spans, rows = [], []
-            for i in seqs:
-                start, n = parts[i][r]
-                spans.append((len(rows), n))
-                rows.extend(range(start, start + n))
-            ix = torch.tensor(rows, device=mixed.device)
-            sx = torch.tensor(seqs, device=mixed.device)
-            o, c, s = mix(mixed[ix], b[ix], a[ix], conv[sx], ssm[sx], spans)
-            out[ix] = o
-            conv[sx], ssm[sx] = c, s
-            for j, i in enumerate(seqs):
-                if r < len(parts[i]) - 1:
-                    done = sum(n for _, n in parts[i][: r + 1])
+        for r in cut_rounds(parts, mixed.device):
+            o, c, s = mix(mixed[r.rows], b[r.rows], a[r.rows], conv[r.seqs], ssm[r.seqs], r.spans)
+            out[r.rows] = o
+            conv[r.seqs], ssm[r.seqs] = c, s
+            for j, (i, done) in enumerate(r.cut_at):
+                if done:
                     states.keep_cut(self.layer_index, i, done, {"conv": c[j], "ssm": s[j]})
         return out, conv, ssm
 

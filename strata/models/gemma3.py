@@ -114,8 +114,9 @@ class Gemma3Model(DecoderModel):
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         h = super().embed(input_ids)
-        # the scale rounded to the embedding's dtype first, as Hugging Face does (bf16: 55.43 -> 55.5)
-        return h * torch.tensor(self.config.hidden_size**0.5, dtype=h.dtype, device=h.device)
+        # the scale rounded to the embedding's dtype first, as Hugging Face does (bf16: 55.43 -> 55.5);
+        # a Python number (a host tensor's value), not a device tensor made from one each step
+        return h * float(torch.tensor(self.config.hidden_size**0.5, dtype=h.dtype))
 
     def run_layers(self, h: torch.Tensor, positions: torch.Tensor, ctx: AttentionContext,
                    start: int = 0, end: int | None = None,

@@ -106,6 +106,44 @@ def add_rms_norm(h: torch.Tensor, a: torch.Tensor, weight: torch.Tensor,
     return s, rms_norm(s, weight, eps)
 
 
+def zero_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """(1 + weight) * normalise(x), in float32 and rounded once (Qwen3-Next's zero-centred norm)."""
+    g = fused_kernels(x)
+    if g is not None and g.takes(x, weight):
+        return g.rms_norm(x, weight, eps, zero_centred=True)
+    normed = F.rms_norm(x.float(), x.shape[-1:], eps=eps)
+    return (normed * (1.0 + weight.float())).to(x.dtype)
+
+
+def add_zero_rms_norm(h: torch.Tensor, a: torch.Tensor, weight: torch.Tensor,
+                      eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """The residual sum h + a and its zero-centred norm."""
+    g = fused_kernels(h)
+    if g is not None and g.takes(h, a, weight):
+        return g.add_rms_norm(h, a, weight, eps, zero_centred=True)
+    s = h + a
+    return s, zero_rms_norm(s, weight, eps)
+
+
+def gated_rms_norm(x: torch.Tensor, z: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """weight * normalise(x) (rounded, then rounded again) times silu(z) taken in float32: the
+    gated DeltaNet's output norm, in Hugging Face's order."""
+    g = fused_kernels(x)
+    if g is not None and g.takes(x, z, weight) and weight.numel() <= g.NORM_BLOCK:
+        return g.gated_rms_norm(x, z, weight, eps)
+    normed = F.rms_norm(x.float(), x.shape[-1:], eps=eps).to(x.dtype)
+    return (weight * normed * F.silu(z.float())).to(x.dtype)
+
+
+def deltanet_gates(b: torch.Tensor, a: torch.Tensor, a_log: torch.Tensor,
+                   dt_bias: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """beta = sigmoid(b) and the log decay g = -exp(A_log) * softplus(a + dt_bias) in float32."""
+    g = fused_kernels(b)
+    if g is not None and g.takes(b, a) and a_log.is_contiguous() and dt_bias.is_contiguous() and b.dim() == 2:
+        return g.deltanet_gates(b, a, a_log, dt_bias)
+    return b.sigmoid(), -a_log.float().exp() * F.softplus(a.float() + dt_bias)
+
+
 def rope_qkv(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, hq: int, hkv: int,
              head_dim: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Contiguous q, k (rotated) and v [T, heads, D] out of the fused projection [T, width].

@@ -16,7 +16,6 @@ from __future__ import annotations
 import dataclasses
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from strata.attention.base import AttentionContext
@@ -25,6 +24,7 @@ from strata.models.architecture import Architecture
 from strata.models.base import ModelConfig
 from strata.models.deltanet import GatedDeltaNet
 from strata.models.dense import MLP, Linear
+from strata.models import ops
 from strata.models.layers import DecoderModel
 from strata.models.moe import SparseMLP
 from strata.models.mtp import MtpHead
@@ -40,8 +40,11 @@ class ZeroCentredRMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        normed = F.rms_norm(x.float(), x.shape[-1:], eps=self.eps)
-        return (normed * (1.0 + self.weight.float())).to(x.dtype)
+        return ops.zero_rms_norm(x, self.weight, self.eps)
+
+    def add_forward(self, h: torch.Tensor, a: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(h + a, its norm): the residual sum and the next sublayer's input, one launch on CUDA."""
+        return ops.add_zero_rms_norm(h, a, self.weight, self.eps)
 
 
 class GatedAttention(nn.Module):
@@ -92,11 +95,12 @@ class Qwen3NextLayer(nn.Module):
                 states: StateContext | None = None) -> torch.Tensor:
         x = self.input_layernorm.forward(h)
         if self.linear_attn is not None:
-            h = h + self.linear_attn.forward(x, states)
+            mixed = self.linear_attn.forward(x, states)
         else:
             assert self.self_attn is not None
-            h = h + self.self_attn.forward(x, cos, sin, ctx)
-        return h + self.mlp.forward(self.post_attention_layernorm.forward(h))
+            mixed = self.self_attn.forward(x, cos, sin, ctx)
+        h, x = self.post_attention_layernorm.add_forward(h, mixed)
+        return h + self.mlp.forward(x)
 
 
 class Qwen3NextModel(DecoderModel):

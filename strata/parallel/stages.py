@@ -21,6 +21,7 @@ import torch
 from strata.attention.select import backend_for, graphs_possible
 from strata.kv.pool import KvPool
 from strata.kv.step import SeqSpec, sampled_rows, step_positions
+from strata.uploads import upload
 
 # DecodeGraphs(model, pool, scale, layers, embed=, head=, rope=): the engine's graph capture
 GraphsFactory = Callable[..., Any]
@@ -89,7 +90,7 @@ class LocalStage:
             return self.graphs.forward(seqs, tokens, device_ids=device_ids,
                                        hidden=None if self.graphs.embed else h)
         if h is None:
-            ids = device_ids if device_ids is not None else torch.tensor(tokens, device=self.device)
+            ids = device_ids if device_ids is not None else upload(tokens, self.device)
             h = self.model.embed(ids)
         positions = torch.tensor([s.start for s in seqs], dtype=torch.int64)
         return self.run(h, positions, seqs)
@@ -158,7 +159,7 @@ class SplitRunner:
         """Logits (float32) of the rows `sampled_rows(seqs, sample)` names, in order."""
         if self._decoding(seqs, sample):
             return self._decode(seqs, tokens, None)
-        input_ids = torch.tensor(tokens, dtype=torch.int64, device=self.device)
+        input_ids = upload(tokens, self.device)
         positions = step_positions(seqs)
         h = self.model.embed(input_ids)
         for stage in self.stages:
@@ -167,4 +168,4 @@ class SplitRunner:
         rows = sampled_rows(seqs, sample)
         if not rows:
             return torch.empty(0, device=self.device)
-        return self.model.compute_logits(hidden[torch.tensor(rows, device=self.device)])
+        return self.model.compute_logits(hidden[upload(rows, self.device)])

@@ -113,6 +113,49 @@ def test_silu_mul(shape: str, dtype: torch.dtype) -> None:
     assert_rounding_close(fused.silu_mul(gate_up), torch_branch("silu_mul", gate_up))
 
 
+@pytest.mark.parametrize("shape", list(SHAPES))
+@pytest.mark.parametrize("dtype", DTYPES, ids=["bf16", "fp16", "fp32"])
+def test_zero_centred_norms(shape: str, dtype: torch.dtype) -> None:
+    """Qwen3-Next's (1 + w) norm, alone and after the residual add, against HF's float32 order."""
+    n = SHAPES[shape][0]
+    h = randn(5, n, dtype=dtype, seed=31, scale=4.0)
+    a = randn(5, n, dtype=dtype, seed=32)
+    w = randn(n, dtype=dtype, seed=33, scale=0.3)
+    assert_rounding_close(fused.rms_norm(h, w, EPS, zero_centred=True), torch_branch("zero_rms_norm", h, w, EPS))
+    s, x = fused.add_rms_norm(h, a, w, EPS, zero_centred=True)
+    s_ref, x_ref = torch_branch("add_zero_rms_norm", h, a, w, EPS)
+    assert torch.equal(s, s_ref)
+    assert_rounding_close(x, x_ref)
+    # negative control: the plain norm's order is not the zero-centred one
+    assert not torch.equal(fused.rms_norm(h, w, EPS), x_ref)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=["bf16", "fp16", "fp32"])
+@pytest.mark.parametrize("dv", [128, 80])
+def test_gated_rms_norm(dtype: torch.dtype, dv: int) -> None:
+    """The DeltaNet's output norm [T, Hv, Dv] times silu(z)."""
+    x = randn(6, 4, dv, dtype=dtype, seed=34, scale=2.0)
+    z = randn(6, 4, dv, dtype=dtype, seed=35, scale=3.0)
+    w = randn(dv, dtype=dtype, seed=36) + 1.0
+    assert_rounding_close(fused.gated_rms_norm(x, z, w, EPS), torch_branch("gated_rms_norm", x, z, w, EPS))
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=["bf16", "fp16", "fp32"])
+def test_deltanet_gates(dtype: torch.dtype) -> None:
+    """beta = sigmoid(b) and g = -exp(A_log) * softplus(a + dt_bias), past softplus' threshold too."""
+    b = randn(9, 32, dtype=dtype, seed=37, scale=3.0)
+    a = randn(9, 32, dtype=dtype, seed=38, scale=8.0)
+    a[0, :4] = torch.tensor([25.0, -30.0, 19.5, 20.5], dtype=dtype)
+    a_log = randn(32, dtype=dtype, seed=39)
+    dt_bias = randn(32, dtype=dtype, seed=40)
+    beta, g = fused.deltanet_gates(b, a, a_log, dt_bias)
+    beta_ref, g_ref = torch_branch("deltanet_gates", b, a, a_log, dt_bias)
+    assert g.dtype == g_ref.dtype == torch.float32
+    assert_rounding_close(beta, beta_ref)
+    assert torch.allclose(g, g_ref, rtol=4e-6, atol=0)
+    assert not torch.allclose(g, torch_branch("deltanet_gates", b, a, a_log, dt_bias.flip(0))[1], rtol=4e-6, atol=0)
+
+
 def _batch(shape: str, dtype: torch.dtype, rows: slice) -> tuple:
     """Inputs of every kernel: `rows` of fixed tensors of 7 rows."""
     n, i, *_ = SHAPES[shape]
@@ -126,7 +169,8 @@ def _batch(shape: str, dtype: torch.dtype, rows: slice) -> tuple:
 def _each_op(h, a, w, gate_up, rope) -> list[torch.Tensor]:
     """Every kernel's outputs."""
     return [fused.rms_norm(h, w, EPS), *fused.add_rms_norm(h, a, w, EPS), *fused.rope_qkv(*rope),
-            fused.silu_mul(gate_up)]
+            fused.silu_mul(gate_up), fused.rms_norm(h, w, EPS, zero_centred=True),
+            fused.gated_rms_norm(h.view(h.shape[0], -1, 4), a.view(a.shape[0], -1, 4), w[:4], EPS)]
 
 
 @pytest.mark.parametrize("shape", ["8b", "odd"])

@@ -28,7 +28,7 @@ import torch
 import triton
 import triton.language as tl
 
-from strata.kernels.triton.numerics import exp
+from strata.kernels.triton.numerics import exp, log1p
 
 DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 NORM_BLOCK = 8192  # the longest row a norm holds in registers; longer ones go in tiles of this
@@ -56,17 +56,21 @@ def _residual(x, a, s_out, offs, mask, ADD: tl.constexpr, STORE: tl.constexpr):
 
 
 @triton.jit
-def _scaled(v, inv, w, out, offs, cols, mask):
-    """weight * round(v * inv), stored."""
+def _scaled(v, inv, w, out, offs, cols, mask, ZERO: tl.constexpr):
+    """weight * round(v * inv), stored; ZERO (zero-centred norms): (1 + weight) * (v * inv) in
+    float32, rounded once (Qwen3-Next's order)."""
     dt = out.dtype.element_ty
-    n = (v * inv).to(dt).to(tl.float32)
-    y = tl.load(w + cols, mask=mask, other=0.0).to(tl.float32) * n
+    wv = tl.load(w + cols, mask=mask, other=0.0).to(tl.float32)
+    if ZERO:
+        y = (v * inv) * (1.0 + wv)
+    else:
+        y = wv * (v * inv).to(dt).to(tl.float32)
     tl.store(out + offs, y.to(dt), mask=mask)
 
 
 @triton.jit
 def _rms_kernel(x, a, s_out, w, out, eps, N: tl.constexpr, BLOCK: tl.constexpr,
-                TILES: tl.constexpr, ADD: tl.constexpr):
+                TILES: tl.constexpr, ADD: tl.constexpr, ZERO: tl.constexpr):
     row = tl.program_id(0).to(tl.int64) * N
     cols = tl.arange(0, BLOCK)
     if TILES == 1:
@@ -83,16 +87,16 @@ def _rms_kernel(x, a, s_out, w, out, eps, N: tl.constexpr, BLOCK: tl.constexpr,
     mean = tl.math.div_rn(ss, tl.full([], N, tl.float32))
     inv = tl.math.div_rn(tl.full([], 1.0, tl.float32), tl.sqrt_rn(mean + eps))
     if TILES == 1:
-        _scaled(v, inv, w, out + row, cols, cols, cols < N)
+        _scaled(v, inv, w, out + row, cols, cols, cols < N, ZERO)
     else:
         for i in range(TILES):  # read again (the sum recomputed: the same bits it stored)
             c = i * BLOCK + cols
             v = _residual(x + row, a + row, s_out + row, c, c < N, ADD, False)
-            _scaled(v, inv, w, out + row, c, c, c < N)
+            _scaled(v, inv, w, out + row, c, c, c < N, ZERO)
 
 
 def _norm(x: torch.Tensor, a: torch.Tensor | None, weight: torch.Tensor,
-          eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+          eps: float, zero_centred: bool) -> tuple[torch.Tensor, torch.Tensor]:
     n = weight.numel()
     if x.shape[-1] != n:
         raise ValueError(f"rows of {x.shape[-1]} against a weight of {n}")
@@ -103,23 +107,87 @@ def _norm(x: torch.Tensor, a: torch.Tensor | None, weight: torch.Tensor,
         block = min(triton.next_power_of_2(n), NORM_BLOCK)
         _rms_kernel[(rows,)](
             x, a if a is not None else x, s, weight, out, eps, N=n, BLOCK=block,
-            TILES=triton.cdiv(n, block), ADD=a is not None, num_warps=4 if block <= 2048 else 8,
+            TILES=triton.cdiv(n, block), ADD=a is not None, ZERO=zero_centred,
+            num_warps=4 if block <= 2048 else 8,
             enable_fp_fusion=False,
         )
     return s, out
 
 
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """weight * round(x * rsqrt(mean(x^2) + eps)) over the last dimension, statistics in float32."""
-    return _norm(x, None, weight, eps)[1]
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, zero_centred: bool = False) -> torch.Tensor:
+    """weight * round(x * rsqrt(mean(x^2) + eps)) over the last dimension, statistics in float32;
+    zero_centred: round((1 + weight) * x * rsqrt(...)), everything before the rounding in float32."""
+    return _norm(x, None, weight, eps, zero_centred)[1]
 
 
 def add_rms_norm(h: torch.Tensor, a: torch.Tensor, weight: torch.Tensor,
-                 eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+                 eps: float, zero_centred: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """(h + a rounded to the dtype, its rms_norm) in one launch."""
     if h.shape != a.shape:
         raise ValueError(f"h {tuple(h.shape)} and a {tuple(a.shape)} differ")
-    return _norm(h, a, weight, eps)
+    return _norm(h, a, weight, eps, zero_centred)
+
+
+@triton.jit
+def _gated_rms_kernel(x, z, w, out, eps, N: tl.constexpr, BLOCK: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64) * N
+    cols = tl.arange(0, BLOCK)
+    mask = cols < N
+    xv = tl.load(x + row + cols, mask=mask, other=0.0)
+    dt = xv.dtype
+    v = xv.to(tl.float32)
+    mean = tl.math.div_rn(tl.sum(v * v, 0), tl.full([], N, tl.float32))
+    inv = tl.math.div_rn(tl.full([], 1.0, tl.float32), tl.sqrt_rn(mean + eps))
+    n = (v * inv).to(dt).to(tl.float32)  # the normalised row, rounded
+    p = (tl.load(w + cols, mask=mask, other=0.0).to(tl.float32) * n).to(dt).to(tl.float32)
+    zv = tl.load(z + row + cols, mask=mask, other=0.0).to(tl.float32)
+    silu = tl.math.div_rn(zv, 1.0 + exp(-zv))  # float32, not rounded
+    tl.store(out + row + cols, (p * silu).to(dt), mask=mask)
+
+
+def gated_rms_norm(x: torch.Tensor, z: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """round(round(weight * round(rms_norm(x))) * silu(z)) over the last dimension (the DeltaNet's
+    output gate, `deltanet.GatedRMSNorm`), silu(z) in float32; one launch."""
+    n = weight.numel()
+    if x.shape != z.shape or x.shape[-1] != n or n > NORM_BLOCK:
+        raise ValueError(f"x {tuple(x.shape)}, z {tuple(z.shape)} against a weight of {n}")
+    out = torch.empty_like(x)
+    rows = x.numel() // n if n else 0
+    if rows:
+        block = triton.next_power_of_2(n)
+        _gated_rms_kernel[(rows,)](x, z, weight, out, eps, N=n, BLOCK=block,
+                                   num_warps=4 if block <= 2048 else 8, enable_fp_fusion=False)
+    return out
+
+
+@triton.jit
+def _gates_kernel(b, a, a_log, dt_bias, beta, g, total, HEADS: tl.constexpr, BLOCK: tl.constexpr):
+    i = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    mask = i < total
+    head = i % HEADS
+    bv = tl.load(b + i, mask=mask, other=0.0)
+    dt = bv.dtype
+    tl.store(beta + i, tl.math.div_rn(1.0, 1.0 + exp(-bv.to(tl.float32))).to(dt), mask=mask)
+    x = tl.load(a + i, mask=mask, other=0.0).to(tl.float32) + tl.load(dt_bias + head, mask=mask).to(tl.float32)
+    softplus = tl.where(x > 20.0, x, log1p(exp(x)))  # torch's threshold of 20
+    decay = exp(tl.load(a_log + head, mask=mask).to(tl.float32))
+    tl.store(g + i, -decay * softplus, mask=mask)
+
+
+def deltanet_gates(b: torch.Tensor, a: torch.Tensor, a_log: torch.Tensor,
+                   dt_bias: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The DeltaNet's beta = sigmoid(b) (b's dtype) and log decay g = -exp(A_log) * softplus(a +
+    dt_bias) (float32) for b, a [T, H]; one launch instead of about eight."""
+    if b.shape != a.shape or b.dim() != 2 or a_log.numel() != b.shape[1] or dt_bias.numel() != b.shape[1]:
+        raise ValueError(f"b {tuple(b.shape)}, a {tuple(a.shape)} against {a_log.numel()} heads")
+    beta = torch.empty_like(b)
+    g = torch.empty(b.shape, dtype=torch.float32, device=b.device)
+    total = b.numel()
+    if total:
+        block = 1024
+        _gates_kernel[(triton.cdiv(total, block),)](b, a, a_log, dt_bias, beta, g, total, HEADS=b.shape[1],
+                                                    BLOCK=block, num_warps=4, enable_fp_fusion=False)
+    return beta, g
 
 
 @triton.jit
