@@ -142,7 +142,7 @@ def replay(send: Send, system: list[int], steps: list[tuple[str, list[int] | Non
     return rows
 
 
-def profile_turn(eng: Engine, rows: list[dict[str, Any]], top: int = 25) -> list[str]:
+def profile_turn(eng: Engine, rows: list[dict[str, Any]], top: int = 40) -> list[str]:
     """torch.profiler's table of a later turn of a fresh chat (its first turn read unprofiled):
     where a step's host time goes. The profiler runs on the engine's thread, which runs the steps."""
     from torch.profiler import ProfilerActivity, profile
