@@ -38,6 +38,7 @@ import torch.nn.functional as F
 
 log = logging.getLogger(__name__)
 CONV_CHUNK = 64  # rows a program of FLA's causal_conv1d takes (its default chunk_size)
+RULE_CHUNK = 64  # rows of a block of FLA's chunked delta rule (passed as its chunk_size)
 
 
 @dataclass(frozen=True)
@@ -108,7 +109,9 @@ class VarlenLayout:
     the device, with CPU copies for FLA's host-side chunk counts); `conv_chunks`: the
     convolution's (sequence, block) pairs over blocks of `CONV_CHUNK` rows, which FLA would
     otherwise build and keep in a cache of its own that forgets them (a captured graph would
-    then read freed memory).
+    then read freed memory); `multi_chunks`: the same for the longer spans over blocks of
+    `RULE_CHUNK` rows, given to the chunked delta rule (FLA would build them at each call and
+    copy them to the device with a wait for the stream).
     """
 
     num_rows: int
@@ -121,6 +124,7 @@ class VarlenLayout:
     cu_multi: torch.Tensor | None
     cu_multi_cpu: torch.Tensor | None
     conv_chunks: torch.Tensor
+    multi_chunks: torch.Tensor | None
 
 
 def varlen_layout(spans: tuple[tuple[int, int], ...], device: torch.device) -> VarlenLayout:
@@ -148,14 +152,14 @@ def _layout(spans: tuple[tuple[int, int], ...], device: torch.device) -> VarlenL
             raise ValueError(f"spans must cover the step's rows in order, got {list(spans)}")
         num_rows += n
 
-    def on_device(values: list[int]) -> torch.Tensor:
+    def on_device(values: list) -> torch.Tensor:
         return torch.tensor(values, dtype=torch.int64).to(device, non_blocking=True)
 
     lengths = torch.tensor([n for _, n in spans], dtype=torch.int64)
     cu_all_cpu = F.pad(lengths.cumsum(0), (1, 0))
     single = [i for i, (_, n) in enumerate(spans) if n == 1]
     multi = [i for i, (_, n) in enumerate(spans) if n > 1]
-    single_t = single_rows = multi_t = multi_rows = cu_multi = cu_multi_cpu = None
+    single_t = single_rows = multi_t = multi_rows = cu_multi = cu_multi_cpu = multi_chunks = None
     if single:
         single_t = on_device(single)
         single_rows = on_device([spans[i][0] for i in single])
@@ -165,10 +169,16 @@ def _layout(spans: tuple[tuple[int, int], ...], device: torch.device) -> VarlenL
             multi_rows = on_device([r for i in multi for r in range(spans[i][0], spans[i][0] + spans[i][1])])
         cu_multi_cpu = F.pad(lengths[multi].cumsum(0), (1, 0))
         cu_multi = cu_multi_cpu.to(device, non_blocking=True)
-    chunks = on_device([v for i, (_, n) in enumerate(spans) for c in range(-(-n // CONV_CHUNK))
-                        for v in (i, c)]).view(-1, 2)
+        multi_chunks = on_device(_block_pairs([spans[i][1] for i in multi], RULE_CHUNK)).view(-1, 2)
+    chunks = on_device(_block_pairs([n for _, n in spans], CONV_CHUNK)).view(-1, 2)
     return VarlenLayout(num_rows, single_t, single_rows, multi_t, multi_rows,
-                        cu_all_cpu.to(device, non_blocking=True), cu_all_cpu, cu_multi, cu_multi_cpu, chunks)
+                        cu_all_cpu.to(device, non_blocking=True), cu_all_cpu, cu_multi, cu_multi_cpu, chunks,
+                        multi_chunks)
+
+
+def _block_pairs(lengths: list[int], block: int) -> list[list[int]]:
+    """(sequence, block) for every block of `block` rows of each sequence: FLA's chunk_indices."""
+    return [[i, c] for i, n in enumerate(lengths) for c in range(-(-n // block))]
 
 
 def fla_conv(kernels: FlaKernels, mixed: torch.Tensor, weight: torch.Tensor, tails: torch.Tensor,
@@ -211,7 +221,8 @@ def fla_delta_rule(kernels: FlaKernels, q: torch.Tensor, k: torch.Tensor, v: tor
         o, s = kernels.chunk(pick(q), pick(k), pick(v), pick(g), pick(beta),
                              initial_state=state[seqs], output_final_state=True,
                              use_qk_l2norm_in_kernel=True, cu_seqlens=layout.cu_multi,
-                             cu_seqlens_cpu=layout.cu_multi_cpu)
+                             cu_seqlens_cpu=layout.cu_multi_cpu, chunk_indices=layout.multi_chunks,
+                             chunk_size=RULE_CHUNK)
         if rows is None:
             out = o[0]
         else:

@@ -53,6 +53,9 @@ def test_the_convolution_blocks_are_the_layout_s_own() -> None:
     keeps them alive for a captured graph, instead of a cache of FLA's that forgets them."""
     layout = varlen_layout(((0, 1), (1, 130), (131, 64)), torch.device("cpu"))
     assert layout.conv_chunks.tolist() == [[0, 0], [1, 0], [1, 1], [1, 2], [2, 0]]
+    # the chunked delta rule's, over the longer spans only (numbered among themselves)
+    assert layout.multi_chunks.tolist() == [[0, 0], [0, 1], [0, 2], [1, 0]]
+    assert varlen_layout(((0, 1), (1, 1)), torch.device("cpu")).multi_chunks is None
 
 
 def test_a_decode_layout_lives_as_long_as_the_process() -> None:
