@@ -128,6 +128,49 @@ def test_fla_matches_the_torch_reference(layout: str) -> None:
     assert max(errors.values()) < TOLERANCE, errors
 
 
+class _Cuts:
+    """The part of a StateContext `mix_cut` reads: spans, cut rows, and the states handed over."""
+
+    def __init__(self, spans: list[tuple[int, int]], cuts: list[tuple[int, ...]]) -> None:
+        self.spans, self.cuts = spans, cuts
+        self.kept: dict[tuple[int, int], dict[str, torch.Tensor]] = {}
+
+    def keep_cut(self, layer: int, seq: int, rows: int, state: dict[str, torch.Tensor]) -> None:
+        self.kept[(seq, rows)] = state
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("shift", [0, 1], ids=["exact", "control"])
+def test_fla_cut_points_inside_a_step_are_steps_ending_there(shift: int) -> None:
+    """Through FLA (one convolution over the whole spans, the tails at the cuts taken from the
+    inputs): the states handed over at each cut, the outputs and the final states equal, bit for
+    bit, those of each sequence read by `mix_spans_fla` in steps ending at its cuts. The control
+    compares the handed-over states with steps ending one row later: they differ."""
+    layer = make_layer(*SHAPE, DTYPE)
+    lengths = [150, 1, 70, 9]
+    cuts = [(4, 149), (), (1, 64, 69), (3,)]
+    mixed, b, a, conv, ssm = make_inputs(layer, lengths, [False] * 4, DTYPE)
+    spans = spans_of(lengths)
+    ctx = _Cuts(spans, cuts)
+    with torch.inference_mode():
+        out, c, s = layer.mix_cut(layer.mix_spans_fla, mixed, b, a, conv, ssm, ctx)
+        assert sorted(ctx.kept) == [(0, 4), (0, 149), (2, 1), (2, 64), (2, 69), (3, 3)]
+        for i, ((start, rows), at) in enumerate(zip(spans, cuts)):
+            sc, ss = conv[i : i + 1], ssm[i : i + 1]
+            bounds = [0, *(x + shift for x in at if x + shift < rows), rows]
+            for lo, hi in zip(bounds, bounds[1:]):
+                r = slice(start + lo, start + hi)
+                o, sc, ss = layer.mix_spans_fla(mixed[r], b[r], a[r], sc, ss, [(0, hi - lo)])
+                if not shift:
+                    assert torch.equal(out[r], o)
+                if (i, hi - shift) in ctx.kept:
+                    kept = ctx.kept[(i, hi - shift)]
+                    same = torch.equal(kept["conv"], sc[0]) and torch.equal(kept["ssm"], ss[0])
+                    assert same == (not shift), (i, hi)
+            if not shift:
+                assert torch.equal(c[i], sc[0]) and torch.equal(s[i], ss[0])
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("layout", ["prompts_from_states", "decode_8", "mix"])
 def test_a_wrong_initial_state_is_caught(layout: str) -> None:
