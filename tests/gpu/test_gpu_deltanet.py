@@ -143,15 +143,21 @@ class _Cuts:
 @pytest.mark.parametrize("shift", [0, 1], ids=["exact", "control"])
 def test_fla_cut_points_inside_a_step_are_steps_ending_there(shift: int) -> None:
     """Through FLA (one convolution over the whole spans, the tails at the cuts taken from the
-    inputs): the states handed over at each cut, the outputs and the final states equal, bit for
-    bit, those of each sequence read by `mix_spans_fla` in steps ending at its cuts. The control
-    compares the handed-over states with steps ending one row later: they differ."""
+    inputs), against each sequence read by `mix_spans_fla` in steps ending at its cuts: the
+    convolution tails handed over at the cuts are the same bits; the matrix states at the cuts,
+    the outputs and the final states agree within TOLERANCE (FLA's convolution may round a row
+    whose inputs come from its initial state otherwise than one whose inputs are in the span).
+    The control compares the handed-over states with steps ending one row later."""
     layer = make_layer(*SHAPE, DTYPE)
     lengths = [150, 1, 70, 9]
     cuts = [(4, 149), (), (1, 64, 69), (3,)]
     mixed, b, a, conv, ssm = make_inputs(layer, lengths, [False] * 4, DTYPE)
     spans = spans_of(lengths)
     ctx = _Cuts(spans, cuts)
+
+    def close(got: torch.Tensor, ref: torch.Tensor) -> bool:
+        return per_sequence_error(got[None], ref[None], None) < TOLERANCE
+
     with torch.inference_mode():
         out, c, s = layer.mix_cut(layer.mix_spans_fla, mixed, b, a, conv, ssm, ctx)
         assert sorted(ctx.kept) == [(0, 4), (0, 149), (2, 1), (2, 64), (2, 69), (3, 3)]
@@ -162,13 +168,14 @@ def test_fla_cut_points_inside_a_step_are_steps_ending_there(shift: int) -> None
                 r = slice(start + lo, start + hi)
                 o, sc, ss = layer.mix_spans_fla(mixed[r], b[r], a[r], sc, ss, [(0, hi - lo)])
                 if not shift:
-                    assert torch.equal(out[r], o)
+                    assert close(out[r], o), (i, lo, hi)
                 if (i, hi - shift) in ctx.kept:
                     kept = ctx.kept[(i, hi - shift)]
-                    same = torch.equal(kept["conv"], sc[0]) and torch.equal(kept["ssm"], ss[0])
-                    assert same == (not shift), (i, hi)
+                    assert torch.equal(kept["conv"], sc[0]) == (not shift), (i, hi)
+                    if not shift:
+                        assert close(kept["ssm"], ss[0]), (i, hi)
             if not shift:
-                assert torch.equal(c[i], sc[0]) and torch.equal(s[i], ss[0])
+                assert torch.equal(c[i], sc[0]) and close(s[i], ss[0])
 
 
 @pytest.mark.gpu
