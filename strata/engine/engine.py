@@ -255,7 +255,7 @@ class Engine:
         self.mtp = (MtpProposer(self.loaded.model, self.pool, self.runner.context, mc.attn_scale,
                                 config.spec_min_p) if config.mtp else None)  # fed after every step
         self.speculator = self._speculator()
-        if self.speculator is not None:  # a draft needs the last token on the host to be proposed
+        if self.mtp is not None:  # the MTP head reads each step's hidden rows after it, before the next
             self.pipeline = False
         self.stop_ids = set(self.tokenizer.stop_token_ids)
         self.sessions = SessionFiles(self.scheduler, config.session_dir, self.loaded.identity, mc.vocab_size)
@@ -497,8 +497,11 @@ class Engine:
             self._enqueue(incoming)
             self._cancel_requested()
             if inflight is not None:
-                # the next step goes to the device before this one is post-processed
-                nxt = self._continue(inflight) if self.pipeline else None
+                # the next step goes to the device before this one is post-processed (with drafting
+                # on, only while no lane of the step would draft: a draft needs the last token)
+                nxt = self._continue(inflight) if self.pipeline and self._drafts_rest(inflight) else None
+                if nxt is not None and self.speculator is not None:
+                    self.speculator.rested(nxt.reqs)
                 self._complete(inflight)
                 inflight = nxt
                 if inflight is not None:
@@ -519,6 +522,10 @@ class Engine:
             if inflight is not None and (inflight.ids is None or not self.pipeline):
                 self._complete(inflight)
                 inflight = None
+
+    def _drafts_rest(self, launched: Launched) -> bool:
+        """Whether the step after `launched` would carry no drafts whatever its tokens are."""
+        return self.speculator is None or self.speculator.rests(launched.reqs)
 
     def _draft(self) -> None:
         """Drafts for the decoding lanes' next step, within what their limits leave (the bonus

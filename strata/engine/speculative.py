@@ -29,6 +29,7 @@ so open text, where drafts rarely hold, costs little.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol
 
@@ -157,6 +158,30 @@ class Speculator:
             out[i] = self.draft(req, min(room, budget))
             budget -= len(out[i])
         return out
+
+    def rests(self, reqs: Sequence[Request | None]) -> bool:
+        """Whether none of these decoding requests would draft in their next step, whatever
+        token this one gives: the step's rows leave no room for drafts, or each request is
+        constrained by a grammar or in a pause after failed drafts. The engine may then launch
+        that step before this one's tokens reach the host (its pipeline)."""
+        live = [r for r in reqs if r is not None]
+        if len(live) >= self.config.step_rows:
+            return True
+        for req in live:
+            state = self._lanes.get(req.id)
+            if req.params.grammar is None and (state is None or state.pause == 0):
+                return False
+        return True
+
+    def rested(self, reqs: Sequence[Request | None]) -> None:
+        """A step of these requests went without drafting (`rests`): it counts off their pauses,
+        as `draft` would have."""
+        if sum(r is not None for r in reqs) >= self.config.step_rows:
+            return  # no room: `draft` would not have been asked either
+        for req in reqs:
+            state = None if req is None else self._lanes.get(req.id)
+            if state is not None and state.pause > 0:
+                state.pause -= 1
 
     def _priority(self, req: Request) -> int:
         state = self._lanes.get(req.id)

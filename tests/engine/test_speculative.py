@@ -264,3 +264,47 @@ def test_a_draft_model_with_another_vocabulary_is_refused() -> None:
         check_same_vocabulary(_Spelling(words[:2]), _Spelling(words), "draft.gguf")
     with pytest.raises(ModelLoadError, match="spells token 1 as b'x'"):
         check_same_vocabulary(_Spelling([b"a", b"x", b"c"]), _Spelling(words), "draft.gguf")
+
+
+def test_a_step_rests_from_drafting_only_when_no_lane_would_draft() -> None:
+    """`rests`: no room in the step, or every lane constrained or in a pause; `rested` counts the
+    pipelined step off the pauses as `draft` would have."""
+    from strata.engine.request import Request, RequestHandle
+    from strata.engine.speculative import SpecConfig, Speculator, SuffixProposer
+    from strata.engine.suffix import SharedCorpus
+
+    corpus = SharedCorpus(1000)
+    text = list(range(100, 160))
+    corpus.add(text)  # every request below finds drafts
+    spec = Speculator(SpecConfig(n=4, step_rows=8), [SuffixProposer(corpus, 0.0)])
+    reqs = [Request(text[:20], SamplingParams(), RequestHandle(f"r{i}")) for i in range(2)]
+    constrained = Request(text[:20], SamplingParams(grammar='start: "a"'), RequestHandle("g"))
+    assert not spec.rests(reqs)  # they have never drafted: they would try
+    assert spec.rests([constrained, None])
+    assert spec.rests(reqs * 4)  # 8 lanes fill the step's rows
+    for req in reqs:  # two verifications accepting nothing: a pause of PAUSE_STEPS steps
+        for _ in range(2):
+            assert spec.draft(req, 4)
+            spec.verified(req, 4, 0)
+    assert spec.rests(reqs + [constrained])
+    pauses = [spec._lanes[r.id].pause for r in reqs]
+    spec.rested(reqs)
+    assert [spec._lanes[r.id].pause for r in reqs] == [p - 1 for p in pauses]
+    spec.rested(reqs * 4)  # no room: `draft` would not have been asked, nothing counted off
+    assert [spec._lanes[r.id].pause for r in reqs] == [p - 1 for p in pauses]
+    for _ in range(pauses[0] - 1):
+        spec.rested(reqs)
+    assert not spec.rests(reqs)  # the pauses are over: they would draft again
+
+
+def test_pipelined_steps_with_drafting_give_the_same_tokens(tiny_loaded) -> None:
+    """With the pipeline on, a step is launched before the last one is post-processed while no
+    lane of it would draft (here: eight lanes fill the CPU's eight decode rows), and the answers
+    are those without drafts and without the pipeline; fewer lanes draft, unpipelined."""
+    eight = [(_prompt(i % 4), SamplingParams(max_tokens=24, ignore_eos=True)) for i in range(8)]
+    few = [(_prompt(0), SamplingParams(max_tokens=40, ignore_eos=True))]
+    plain, _ = _run(tiny_loaded, 0, [eight, few, few], parallel=8)
+    piped, stats = _run(tiny_loaded, 4, [eight, few, few], parallel=8, pipeline="on")
+    assert piped == plain
+    assert stats["pipelined_steps"] > 10, stats["pipelined_steps"]
+    assert stats["speculation"]["accepted_tokens"] > 0  # the lone lane still drafted from the others
