@@ -25,19 +25,14 @@ from strata.models.base import ModelConfig
 from strata.models.deltanet import GatedDeltaNet
 from strata.models.dense import MLP, Linear
 from strata.models import ops
-from strata.models.layers import DecoderModel
+from strata.models.layers import DecoderModel, RMSNorm
 from strata.models.moe import SparseMLP
 from strata.models.mtp import MtpHead
 from strata.models.rope import apply_partial_rope
 
 
-class ZeroCentredRMSNorm(nn.Module):
+class ZeroCentredRMSNorm(RMSNorm):
     """RMSNorm scaling by (1 + weight), all in float32 before the cast back (HF's order)."""
-
-    def __init__(self, dim: int, eps: float) -> None:
-        super().__init__()
-        self.weight = nn.Parameter(torch.empty(dim))
-        self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return ops.zero_rms_norm(x, self.weight, self.eps)

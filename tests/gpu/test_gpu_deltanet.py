@@ -29,6 +29,7 @@ from strata.kv.state import StatePool
 from strata.models.base import ModelConfig
 from strata.models.deltanet import GatedDeltaNet
 from strata.models.deltanet_fla import backend_for, fla_kernels
+from tests.models.cut_states import CutStates, parts_read_alone
 from tests.models.tiny_models import PROMPT, save_byte_tokenizer, save_tiny
 
 if __name__ != "__main__":
@@ -128,17 +129,6 @@ def test_fla_matches_the_torch_reference(layout: str) -> None:
     assert max(errors.values()) < TOLERANCE, errors
 
 
-class _Cuts:
-    """The part of a StateContext `mix_cut` reads: spans, cut rows, and the states handed over."""
-
-    def __init__(self, spans: list[tuple[int, int]], cuts: list[tuple[int, ...]]) -> None:
-        self.spans, self.cuts = spans, cuts
-        self.kept: dict[tuple[int, int], dict[str, torch.Tensor]] = {}
-
-    def keep_cut(self, layer: int, seq: int, rows: int, state: dict[str, torch.Tensor]) -> None:
-        self.kept[(seq, rows)] = state
-
-
 @pytest.mark.gpu
 @pytest.mark.parametrize("shift", [0, 1], ids=["exact", "control"])
 def test_fla_cut_points_inside_a_step_are_steps_ending_there(shift: int) -> None:
@@ -153,7 +143,7 @@ def test_fla_cut_points_inside_a_step_are_steps_ending_there(shift: int) -> None
     cuts = [(4, 149), (), (1, 64, 69), (3,)]
     mixed, b, a, conv, ssm = make_inputs(layer, lengths, [False] * 4, DTYPE)
     spans = spans_of(lengths)
-    ctx = _Cuts(spans, cuts)
+    ctx = CutStates(spans, cuts)
 
     def close(got: torch.Tensor, ref: torch.Tensor) -> bool:
         return per_sequence_error(got[None], ref[None], None) < TOLERANCE
@@ -161,21 +151,16 @@ def test_fla_cut_points_inside_a_step_are_steps_ending_there(shift: int) -> None
     with torch.inference_mode():
         out, c, s = layer.mix_cut(layer.mix_spans_fla, mixed, b, a, conv, ssm, ctx)
         assert sorted(ctx.kept) == [(0, 4), (0, 149), (2, 1), (2, 64), (2, 69), (3, 3)]
-        for i, ((start, rows), at) in enumerate(zip(spans, cuts)):
-            sc, ss = conv[i : i + 1], ssm[i : i + 1]
-            bounds = [0, *(x + shift for x in at if x + shift < rows), rows]
-            for lo, hi in zip(bounds, bounds[1:]):
-                r = slice(start + lo, start + hi)
-                o, sc, ss = layer.mix_spans_fla(mixed[r], b[r], a[r], sc, ss, [(0, hi - lo)])
-                if not shift:
-                    assert close(out[r], o), (i, lo, hi)
-                if (i, hi - shift) in ctx.kept:
-                    kept = ctx.kept[(i, hi - shift)]
-                    assert torch.equal(kept["conv"], sc[0]) == (not shift), (i, hi)
-                    if not shift:
-                        assert close(kept["ssm"], ss[0]), (i, hi)
+        for i, r, done, o, sc, ss in parts_read_alone(layer.mix_spans_fla, mixed, b, a, conv, ssm, ctx, shift):
             if not shift:
-                assert torch.equal(c[i], sc[0]) and close(s[i], ss[0])
+                assert close(out[r], o), (i, r)
+            if (i, done - shift) in ctx.kept:
+                kept = ctx.kept[(i, done - shift)]
+                assert torch.equal(kept["conv"], sc) == (not shift), (i, done)
+                if not shift:
+                    assert close(kept["ssm"], ss), (i, done)
+            if not shift and done == spans[i][1]:  # the sequence's last part: the step's final states
+                assert torch.equal(c[i], sc) and close(s[i], ss)
 
 
 @pytest.mark.gpu

@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from strata.models.deltanet_fla import backend_for, varlen_layout
+from tests.models.cut_states import CutStates, parts_read_alone
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
@@ -100,17 +101,6 @@ def test_a_decode_step_computes_as_its_rows_among_a_prompt() -> None:
     assert not torch.equal(other, out)
 
 
-class _Cuts:
-    """The part of a StateContext `mix_cut` reads: spans, cut rows, and the states handed over."""
-
-    def __init__(self, spans: list[tuple[int, int]], cuts: list[tuple[int, ...]]) -> None:
-        self.spans, self.cuts = spans, cuts
-        self.kept: dict[tuple[int, int], dict[str, torch.Tensor]] = {}
-
-    def keep_cut(self, layer: int, seq: int, rows: int, state: dict[str, torch.Tensor]) -> None:
-        self.kept[(seq, rows)] = state
-
-
 @pytest.mark.parametrize("shift", [0, 1], ids=["exact", "control"])
 @torch.no_grad()
 def test_cut_points_inside_a_step_are_steps_ending_there(shift: int) -> None:
@@ -126,20 +116,14 @@ def test_cut_points_inside_a_step_are_steps_ending_there(shift: int) -> None:
     b, a = torch.randn(t, layer.hv, generator=g), torch.randn(t, layer.hv, generator=g)
     conv = torch.randn(n, layer.conv_dim, layer.kernel - 1, generator=g)
     ssm = 0.3 * torch.randn(n, layer.hv, layer.dk, layer.dv, generator=g)
-    ctx = _Cuts(spans, cuts)
+    ctx = CutStates(spans, cuts)
     out, c, s = layer.mix_cut(layer.mix_spans_torch, mixed, b, a, conv, ssm, ctx)
     assert sorted(ctx.kept) == [(0, 4), (0, 10), (2, 1)]
-    for i, ((start, rows), at) in enumerate(zip(spans, cuts)):
-        sc, ss = conv[i : i + 1], ssm[i : i + 1]
-        bounds = [0, *(x + shift for x in at if x + shift < rows), rows]
-        for lo, hi in zip(bounds, bounds[1:]):
-            r = slice(start + lo, start + hi)
-            o, sc, ss = layer.mix_spans_torch(mixed[r], b[r], a[r], sc, ss, [(0, hi - lo)])
-            if not shift:
-                assert torch.equal(out[r], o)
-            if (i, hi - shift) in ctx.kept:
-                kept = ctx.kept[(i, hi - shift)]
-                same = torch.equal(kept["conv"], sc[0]) and torch.equal(kept["ssm"], ss[0])
-                assert same == (not shift)
+    for i, r, done, o, sc, ss in parts_read_alone(layer.mix_spans_torch, mixed, b, a, conv, ssm, ctx, shift):
         if not shift:
-            assert torch.equal(c[i], sc[0]) and torch.equal(s[i], ss[0])
+            assert torch.equal(out[r], o)
+        if (i, done - shift) in ctx.kept:
+            kept = ctx.kept[(i, done - shift)]
+            assert (torch.equal(kept["conv"], sc) and torch.equal(kept["ssm"], ss)) == (not shift)
+        if not shift and done == spans[i][1]:  # the sequence's last part: the step's final states
+            assert torch.equal(c[i], sc) and torch.equal(s[i], ss)
