@@ -213,15 +213,15 @@ class StatePool:
                     t.index_copy_(0, cells, after[rows - 1].to(t.dtype))
 
 
-def pinned_like(tensors: list[torch.Tensor], align: int = 64) -> list[torch.Tensor]:
-    """Empty pinned host tensors shaped like `tensors`, views of one pinned block: a checkpoint
-    of every layer's state costs one page-locked allocation (about 0.3 ms each on an H100),
-    not one a tensor."""
+def pinned_like(tensors: list[torch.Tensor], align: int = 64, pin: bool = True) -> list[torch.Tensor]:
+    """Empty host tensors shaped like `tensors`, views of one block (page-locked where `pin`):
+    a checkpoint of every layer's state costs one page-locked allocation (about 0.3 ms each on
+    an H100), not one a tensor. Each view starts `align`-byte aligned."""
     offsets, total = [], 0
     for t in tensors:
         offsets.append(total)
         total += -(-t.nbytes // align) * align
-    block = torch.empty(total, dtype=torch.uint8, pin_memory=True)
+    block = torch.empty(total, dtype=torch.uint8, pin_memory=pin)
     return [block[o : o + t.nbytes].view(t.dtype).view(t.shape) for o, t in zip(offsets, tensors)]
 
 

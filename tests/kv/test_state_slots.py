@@ -52,3 +52,20 @@ def test_an_eager_step_still_zeroes_fresh_sequences() -> None:
     ctx = pool.step([(0, 1), (1, 3)], [0, 1], [False, True])
     assert ctx.load(0)["ssm"][:, 0, 0].tolist() == [1.0, 0.0]
     assert pool.layers[0]["ssm"][1, 0, 0] == 2.0  # loading does not clear the slot itself
+
+
+def test_a_checkpoint_copy_is_views_of_one_block() -> None:
+    """`pinned_like`: one block for every layer's states (pinned on CUDA machines; a plain one
+    here), each view aligned, apart from the others and shaped and typed like its tensor."""
+    from strata.kv.state import pinned_like
+
+    tensors = [torch.randn(3, 5), torch.zeros(7, dtype=torch.bfloat16), torch.arange(4).view(2, 2),
+               torch.empty(0), torch.ones(2, 3, 4, dtype=torch.float16)]
+    views = pinned_like(tensors, pin=False)
+    block = views[0].untyped_storage()
+    assert all(v.untyped_storage().data_ptr() == block.data_ptr() for v in views)
+    assert all(v.data_ptr() % 64 == 0 for v in views if v.numel())
+    for v, t in zip(views, tensors):
+        assert v.shape == t.shape and v.dtype == t.dtype
+        v.copy_(t)
+    assert all(torch.equal(v, t) for v, t in zip(views, tensors))  # no view overwrote another

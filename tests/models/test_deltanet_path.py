@@ -127,3 +127,50 @@ def test_cut_points_inside_a_step_are_steps_ending_there(shift: int) -> None:
             assert (torch.equal(kept["conv"], sc) and torch.equal(kept["ssm"], ss)) == (not shift)
         if not shift and done == spans[i][1]:  # the sequence's last part: the step's final states
             assert torch.equal(c[i], sc) and torch.equal(s[i], ss)
+
+
+@pytest.mark.parametrize("shift", [0, 1], ids=["exact", "control"])
+@torch.no_grad()
+def test_the_fla_glue_computes_what_the_torch_path_does(shift: int) -> None:
+    """FLA's kernels replaced by the torch reference with FLA's signatures (`fake_fla.py`): a
+    step of decode rows and prompts through `mix_spans_fla`, and a step with cut points through
+    `mix_cut` (one convolution over the whole spans, the tails at the cuts taken from the inputs,
+    the delta rule in rounds), give the torch path's convolution tails bit for bit, and its
+    outputs and matrix states to float32 rounding (the stand-in's products see other memory
+    layouts than the torch path's, which moves BLAS's last bits). The control cuts the torch
+    path's pieces one row later: the tails handed over differ."""
+    from unittest import mock
+
+    from strata.models import deltanet
+    from tests.models.fake_fla import KERNELS
+
+    def close(x: torch.Tensor, y: torch.Tensor) -> bool:
+        return torch.allclose(x, y, rtol=1e-5, atol=1e-6)
+
+    layer = _layer()
+    g = torch.Generator().manual_seed(3)
+    spans = [(0, 1), (1, 70), (71, 1), (72, 130), (202, 5)]
+    t, n = 207, 5
+    mixed = torch.randn(t, layer.conv_dim, generator=g)
+    b, a = torch.randn(t, layer.hv, generator=g), torch.randn(t, layer.hv, generator=g)
+    conv = torch.randn(n, layer.conv_dim, layer.kernel - 1, generator=g)
+    ssm = 0.3 * torch.randn(n, layer.hv, layer.dk, layer.dv, generator=g)
+    with mock.patch.object(deltanet, "fla_kernels", lambda: KERNELS):
+        if not shift:
+            out, c, s = layer.mix_spans_fla(mixed, b, a, conv, ssm, spans)
+            want = layer.mix_spans_torch(mixed, b, a, conv, ssm, spans)
+            assert close(out, want[0]) and torch.equal(c, want[1]) and close(s, want[2])
+        cuts = [(), (2, 64), (), (1, 129), (3,)]
+        fla = CutStates(spans, cuts)
+        out, c, s = layer.mix_cut(layer.mix_spans_fla, mixed, b, a, conv, ssm, fla)
+    moved = [tuple(x + shift for x in at if x + shift < rows) for (_, rows), at in zip(spans, cuts)]
+    ref = CutStates(spans, moved)
+    want = layer.mix_cut(layer.mix_spans_torch, mixed, b, a, conv, ssm, ref)
+    assert sorted(fla.kept) == [(1, 2), (1, 64), (3, 1), (3, 129), (4, 3)]
+    pairs = [(fla.kept[(i, x)], ref.kept[(i, x + shift)]) for i, x in fla.kept if (i, x + shift) in ref.kept]
+    assert len(pairs) >= 3
+    if shift:
+        assert not any(torch.equal(f["conv"], r["conv"]) for f, r in pairs)
+    else:
+        assert all(torch.equal(f["conv"], r["conv"]) and close(f["ssm"], r["ssm"]) for f, r in pairs)
+        assert close(out, want[0]) and torch.equal(c, want[1]) and close(s, want[2])
