@@ -58,12 +58,29 @@ class CutRound:
 
     `rows` [P] / `seqs` [S]: the step's rows and sequences it takes (device); `spans`: its
     parts as spans of those rows; `cut_at`: (sequence, rows done at the part's end, or 0 where
-    the part ends the sequence's span and so is no cut)."""
+    the part ends the sequence's span and so is no cut); `rows_block` / `seqs_block`: the same
+    as a slice where they are consecutive (a view instead of a gather and a scatter: a later
+    turn's one lane), else None."""
 
     rows: torch.Tensor
     seqs: torch.Tensor
     spans: list[tuple[int, int]]
     cut_at: list[tuple[int, int]]
+    rows_block: slice | None = None
+    seqs_block: slice | None = None
+
+    def row_index(self) -> torch.Tensor | slice:
+        return self.rows if self.rows_block is None else self.rows_block
+
+    def seq_index(self) -> torch.Tensor | slice:
+        return self.seqs if self.seqs_block is None else self.seqs_block
+
+
+def _block(values: list[int]) -> slice | None:
+    """values as a slice where they are consecutive and ascending, else None."""
+    if values and values == list(range(values[0], values[0] + len(values))):
+        return slice(values[0], values[0] + len(values))
+    return None
 
 
 @functools.lru_cache(maxsize=8)
@@ -80,7 +97,7 @@ def cut_rounds(parts: tuple[tuple[tuple[int, int], ...], ...], device: torch.dev
             spans.append((len(rows), n))
             rows.extend(range(start, start + n))
         cut_at = [(i, sum(n for _, n in parts[i][: r + 1]) if r < len(parts[i]) - 1 else 0) for i in seqs]
-        rounds.append(CutRound(upload(rows, device), upload(seqs, device), spans, cut_at))
+        rounds.append(CutRound(upload(rows, device), upload(seqs, device), spans, cut_at, _block(rows), _block(seqs)))
     return rounds
 
 
@@ -350,10 +367,11 @@ class GatedDeltaNet(nn.Module):
         out = torch.empty(t, self.hv, self.dv, dtype=x.dtype, device=x.device)
         ssm = ssm.clone()
         for r in cut_rounds(parts, mixed.device):
-            o, after = fla_delta_rule(kernels, q[r.rows], k[r.rows], v[r.rows], g[r.rows], beta[r.rows],
-                                      ssm[r.seqs], varlen_layout(tuple(r.spans), mixed.device))
-            out[r.rows] = o
-            ssm[r.seqs] = after
+            rows, seqs = r.row_index(), r.seq_index()
+            o, after = fla_delta_rule(kernels, q[rows], k[rows], v[rows], g[rows], beta[rows], ssm[seqs],
+                                      varlen_layout(tuple(r.spans), mixed.device))
+            out[rows] = o
+            ssm[seqs] = after
             for j, (i, done) in enumerate(r.cut_at):
                 if done:  # the K-1 inputs before the cut: the older tail's end, then the span's rows
                     start, lo = spans[i][0], max(0, done - back)

@@ -174,3 +174,34 @@ def test_the_fla_glue_computes_what_the_torch_path_does(shift: int) -> None:
     else:
         assert all(torch.equal(f["conv"], r["conv"]) and close(f["ssm"], r["ssm"]) for f, r in pairs)
         assert close(out, want[0]) and torch.equal(c, want[1]) and close(s, want[2])
+
+
+@torch.no_grad()
+def test_a_later_turn_s_cut_reads_its_rows_as_slices() -> None:
+    """One lane cut one row before its end (a later turn): its rounds are consecutive rows, which
+    the FLA path takes as views, and the glue still gives the torch path's states and outputs."""
+    from unittest import mock
+
+    from strata.models import deltanet
+    from strata.models.deltanet import cut_rounds
+    from tests.models.fake_fla import KERNELS
+
+    rounds = cut_rounds((((0, 79), (79, 1)),), torch.device("cpu"))
+    assert [(r.rows_block, r.seqs_block) for r in rounds] == [(slice(0, 79), slice(0, 1)), (slice(79, 80), slice(0, 1))]
+    mixed_rounds = cut_rounds((((0, 3),), ((3, 2), (5, 1))), torch.device("cpu"))
+    assert mixed_rounds[0].rows_block == slice(0, 5) and mixed_rounds[1].rows_block == slice(5, 6)
+    assert mixed_rounds[1].seqs_block == slice(1, 2)
+    assert cut_rounds((((0, 2), (2, 2)), ((4, 1),)), torch.device("cpu"))[0].rows_block is None  # rows 0, 1, 4
+    layer = _layer()
+    g = torch.Generator().manual_seed(4)
+    mixed = torch.randn(80, layer.conv_dim, generator=g)
+    b, a = torch.randn(80, layer.hv, generator=g), torch.randn(80, layer.hv, generator=g)
+    conv = torch.randn(1, layer.conv_dim, layer.kernel - 1, generator=g)
+    ssm = 0.3 * torch.randn(1, layer.hv, layer.dk, layer.dv, generator=g)
+    fla, ref = CutStates([(0, 80)], [(79,)]), CutStates([(0, 80)], [(79,)])
+    with mock.patch.object(deltanet, "fla_kernels", lambda: KERNELS):
+        got = layer.mix_cut(layer.mix_spans_fla, mixed, b, a, conv, ssm, fla)
+    want = layer.mix_cut(layer.mix_spans_torch, mixed, b, a, conv, ssm, ref)
+    assert torch.equal(fla.kept[(0, 79)]["conv"], ref.kept[(0, 79)]["conv"])
+    assert torch.allclose(fla.kept[(0, 79)]["ssm"], ref.kept[(0, 79)]["ssm"], rtol=1e-5, atol=1e-6)
+    assert all(torch.allclose(x, y, rtol=1e-5, atol=1e-6) for x, y in zip(got, want))
