@@ -158,11 +158,10 @@ class StatePool:
         if self.device.type != "cuda":
             return {layer: {name: t.to("cpu", copy=True) for name, t in named.items()}
                     for layer, named in state.items()}, None
-        out = {layer: dict(zip(named, pinned_like(list(named.values())), strict=True))
-               for layer, named in state.items()}
-        for layer, named in state.items():
-            for name, t in named.items():
-                out[layer][name].copy_(t, non_blocking=True)
+        flat = [(layer, name, t) for layer, named in state.items() for name, t in named.items()]
+        out: dict[int, dict[str, torch.Tensor]] = {layer: {} for layer in state}
+        for (layer, name, t), host in zip(flat, pinned_like([t for _, _, t in flat]), strict=True):
+            out[layer][name] = host.copy_(t, non_blocking=True)
         done = torch.cuda.Event()
         done.record()
         return out, done

@@ -52,6 +52,11 @@ def cut_parts(span: tuple[int, int], cuts: tuple[int, ...]) -> list[tuple[int, i
     return [(start + lo, hi - lo) for lo, hi in zip(bounds, bounds[1:])]
 
 
+def step_parts(states: StateContext) -> tuple[tuple[tuple[int, int], ...], ...]:
+    """Every sequence's span of the step split at its cuts (`cut_rounds`' key)."""
+    return tuple(tuple(cut_parts(span, cuts)) for span, cuts in zip(states.spans, states.cuts))
+
+
 @dataclass(frozen=True)
 class CutRound:
     """Round r of `GatedDeltaNet.mix_cut`: part r of each sequence that has one.
@@ -332,12 +337,9 @@ class GatedDeltaNet(nn.Module):
         (`states.cuts`): round r computes part r of every sequence that has one, from the state
         the part before left, and each state at a cut goes to `states.keep_cut`. The parts are the
         spans that steps ending at the cuts would have had."""
-        parts = tuple(tuple(cut_parts(span, cuts)) for span, cuts in zip(states.spans, states.cuts))
-        if mix == self.mix_spans_fla:
-            return self._mix_cut_fla(parts, mixed, b, a, conv, ssm, states)
         out = torch.empty(mixed.shape[0], self.hv, self.dv, dtype=mixed.dtype, device=mixed.device)
         conv, ssm = conv.clone(), ssm.clone()
-        for r in cut_rounds(parts, mixed.device):
+        for r in cut_rounds(step_parts(states), mixed.device):
             o, c, s = mix(mixed[r.rows], b[r.rows], a[r.rows], conv[r.seqs], ssm[r.seqs], r.spans)
             out[r.rows] = o
             conv[r.seqs], ssm[r.seqs] = c, s
@@ -346,9 +348,8 @@ class GatedDeltaNet(nn.Module):
                     states.keep_cut(self.layer_index, i, done, {"conv": c[j], "ssm": s[j]})
         return out, conv, ssm
 
-    def _mix_cut_fla(self, parts: tuple[tuple[tuple[int, int], ...], ...], mixed: torch.Tensor,
-                     b: torch.Tensor, a: torch.Tensor, conv: torch.Tensor, ssm: torch.Tensor,
-                     states: StateContext) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    def mix_cut_fla(self, mixed: torch.Tensor, b: torch.Tensor, a: torch.Tensor, conv: torch.Tensor,
+                    ssm: torch.Tensor, states: StateContext) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """`mix_cut` through FLA's kernels: the convolution once over the whole spans (a row's
         output depends only on the K-1 inputs before it, wherever the parts end), each
         convolution tail at a cut taken from the inputs, and the delta rule in rounds. On the
@@ -366,7 +367,7 @@ class GatedDeltaNet(nn.Module):
         beta, g = self._gates(b, a)
         out = torch.empty(t, self.hv, self.dv, dtype=x.dtype, device=x.device)
         ssm = ssm.clone()
-        for r in cut_rounds(parts, mixed.device):
+        for r in cut_rounds(step_parts(states), mixed.device):
             rows, seqs = r.row_index(), r.seq_index()
             o, after = fla_delta_rule(kernels, q[rows], k[rows], v[rows], g[rows], beta[rows], ssm[seqs],
                                       varlen_layout(tuple(r.spans), mixed.device))
@@ -417,10 +418,12 @@ class GatedDeltaNet(nn.Module):
             for seq, run in after.items():
                 states.keep_run(self.layer_index, seq, run)
         else:
-            mix = self.mix_spans_fla if backend_for(x.device, x.dtype) == "fla" else self.mix_spans_torch
+            fla = backend_for(x.device, x.dtype) == "fla"
             if any(states.cuts):
-                out, conv, ssm = self.mix_cut(mix, mixed, b, a, before["conv"], before["ssm"], states)
+                cut = self.mix_cut_fla if fla else functools.partial(self.mix_cut, self.mix_spans_torch)
+                out, conv, ssm = cut(mixed, b, a, before["conv"], before["ssm"], states)
             else:
+                mix = self.mix_spans_fla if fla else self.mix_spans_torch
                 out, conv, ssm = mix(mixed, b, a, before["conv"], before["ssm"], states.spans)
         states.save(self.layer_index, {"conv": conv, "ssm": ssm})
         out = self.norm.forward(out, z).reshape(x.shape[0], -1)

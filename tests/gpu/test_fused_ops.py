@@ -74,22 +74,29 @@ def rope_inputs(shape: str, dtype: torch.dtype, rows: slice, seed: int):
 
 @pytest.mark.parametrize("shape", list(SHAPES))
 @pytest.mark.parametrize("dtype", DTYPES, ids=["bf16", "fp16", "fp32"])
-def test_rms_norm(shape: str, dtype: torch.dtype) -> None:
+@pytest.mark.parametrize("zero", [False, True], ids=["plain", "zero_centred"])
+def test_rms_norm(shape: str, dtype: torch.dtype, zero: bool) -> None:
+    """Llama's order (weight times the rounded normalised row) and Qwen3-Next's zero-centred one
+    ((1 + weight) times it, all in float32, rounded once)."""
     n = SHAPES[shape][0]
     x = randn(5, n, dtype=dtype, seed=1, scale=2.0)
-    w = randn(n, dtype=dtype, seed=2) + 1.0
-    assert_rounding_close(fused.rms_norm(x, w, EPS), torch_branch("rms_norm", x, w, EPS))
+    w = randn(n, dtype=dtype, seed=2, scale=0.3) + (0.0 if zero else 1.0)
+    ref = torch_branch("zero_rms_norm" if zero else "rms_norm", x, w, EPS)
+    assert_rounding_close(fused.rms_norm(x, w, EPS, zero_centred=zero), ref)
+    if zero:  # negative control: the plain norm's order is not the zero-centred one
+        assert not torch.equal(fused.rms_norm(x, w, EPS), ref)
 
 
 @pytest.mark.parametrize("shape", list(SHAPES))
 @pytest.mark.parametrize("dtype", DTYPES, ids=["bf16", "fp16", "fp32"])
-def test_add_rms_norm(shape: str, dtype: torch.dtype) -> None:
+@pytest.mark.parametrize("zero", [False, True], ids=["plain", "zero_centred"])
+def test_add_rms_norm(shape: str, dtype: torch.dtype, zero: bool) -> None:
     n = SHAPES[shape][0]
     h = randn(5, n, dtype=dtype, seed=3, scale=4.0)
     a = randn(5, n, dtype=dtype, seed=4)
-    w = randn(n, dtype=dtype, seed=5) + 1.0
-    s, x = fused.add_rms_norm(h, a, w, EPS)
-    s_ref, x_ref = torch_branch("add_rms_norm", h, a, w, EPS)
+    w = randn(n, dtype=dtype, seed=5, scale=0.3) + (0.0 if zero else 1.0)
+    s, x = fused.add_rms_norm(h, a, w, EPS, zero_centred=zero)
+    s_ref, x_ref = torch_branch("add_zero_rms_norm" if zero else "add_rms_norm", h, a, w, EPS)
     assert torch.equal(s, s_ref)
     assert_rounding_close(x, x_ref)
 
@@ -111,23 +118,6 @@ def test_silu_mul(shape: str, dtype: torch.dtype) -> None:
     i = SHAPES[shape][1]
     gate_up = randn(3, 2 * i, dtype=dtype, seed=7, scale=3.0)
     assert_rounding_close(fused.silu_mul(gate_up), torch_branch("silu_mul", gate_up))
-
-
-@pytest.mark.parametrize("shape", list(SHAPES))
-@pytest.mark.parametrize("dtype", DTYPES, ids=["bf16", "fp16", "fp32"])
-def test_zero_centred_norms(shape: str, dtype: torch.dtype) -> None:
-    """Qwen3-Next's (1 + w) norm, alone and after the residual add, against HF's float32 order."""
-    n = SHAPES[shape][0]
-    h = randn(5, n, dtype=dtype, seed=31, scale=4.0)
-    a = randn(5, n, dtype=dtype, seed=32)
-    w = randn(n, dtype=dtype, seed=33, scale=0.3)
-    assert_rounding_close(fused.rms_norm(h, w, EPS, zero_centred=True), torch_branch("zero_rms_norm", h, w, EPS))
-    s, x = fused.add_rms_norm(h, a, w, EPS, zero_centred=True)
-    s_ref, x_ref = torch_branch("add_zero_rms_norm", h, a, w, EPS)
-    assert torch.equal(s, s_ref)
-    assert_rounding_close(x, x_ref)
-    # negative control: the plain norm's order is not the zero-centred one
-    assert not torch.equal(fused.rms_norm(h, w, EPS), x_ref)
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=["bf16", "fp16", "fp32"])

@@ -149,7 +149,7 @@ def test_fla_cut_points_inside_a_step_are_steps_ending_there(shift: int) -> None
         return per_sequence_error(got[None], ref[None], None) < TOLERANCE
 
     with torch.inference_mode():
-        out, c, s = layer.mix_cut(layer.mix_spans_fla, mixed, b, a, conv, ssm, ctx)
+        out, c, s = layer.mix_cut_fla(mixed, b, a, conv, ssm, ctx)
         assert sorted(ctx.kept) == [(0, 4), (0, 149), (2, 1), (2, 64), (2, 69), (3, 3)]
         for i, r, done, o, sc, ss in parts_read_alone(layer.mix_spans_fla, mixed, b, a, conv, ssm, ctx, shift):
             if not shift:

@@ -162,7 +162,7 @@ def test_the_fla_glue_computes_what_the_torch_path_does(shift: int) -> None:
             assert close(out, want[0]) and torch.equal(c, want[1]) and close(s, want[2])
         cuts = [(), (2, 64), (), (1, 129), (3,)]
         fla = CutStates(spans, cuts)
-        out, c, s = layer.mix_cut(layer.mix_spans_fla, mixed, b, a, conv, ssm, fla)
+        out, c, s = layer.mix_cut_fla(mixed, b, a, conv, ssm, fla)
     moved = [tuple(x + shift for x in at if x + shift < rows) for (_, rows), at in zip(spans, cuts)]
     ref = CutStates(spans, moved)
     want = layer.mix_cut(layer.mix_spans_torch, mixed, b, a, conv, ssm, ref)
@@ -200,7 +200,7 @@ def test_a_later_turn_s_cut_reads_its_rows_as_slices() -> None:
     ssm = 0.3 * torch.randn(1, layer.hv, layer.dk, layer.dv, generator=g)
     fla, ref = CutStates([(0, 80)], [(79,)]), CutStates([(0, 80)], [(79,)])
     with mock.patch.object(deltanet, "fla_kernels", lambda: KERNELS):
-        got = layer.mix_cut(layer.mix_spans_fla, mixed, b, a, conv, ssm, fla)
+        got = layer.mix_cut_fla(mixed, b, a, conv, ssm, fla)
     want = layer.mix_cut(layer.mix_spans_torch, mixed, b, a, conv, ssm, ref)
     assert torch.equal(fla.kept[(0, 79)]["conv"], ref.kept[(0, 79)]["conv"])
     assert torch.allclose(fla.kept[(0, 79)]["ssm"], ref.kept[(0, 79)]["ssm"], rtol=1e-5, atol=1e-6)
