@@ -78,6 +78,7 @@ class GpuTableAttention:
         self.scale = scale
         self.plain = isinstance(pool.fmt, PlainFormat)
         self.rotate_v = isinstance(pool.fmt, K8V4Format) and pool.fmt.rotate
+        self.padded = False  # rows no kernel writes (a prompt graph's padding) must read as zeros
 
     @classmethod
     def for_graph(cls, pool: KvPool, meta: torch.Tensor, scale: float) -> GpuTableAttention:
@@ -96,6 +97,22 @@ class GpuTableAttention:
         self.prefill = PrefillBatch(empty, empty, empty, empty, empty, empty)
         return self
 
+    @classmethod
+    def for_prompt_graph(cls, pool: KvPool, write_cells: torch.Tensor, prefill: PrefillBatch,
+                         scale: float) -> GpuTableAttention:
+        """A context of one lane's prompt rows read from fixed device tensors, for a captured
+        prompt step (engine/prompt_graphs.py): `write_cells` [B] (padding rows: the trash
+        chunk's), `prefill` one sequence whose query blocks cover the B rows and whose `n` says
+        how many are tokens; blocks past n read no keys and padding rows come out as zeros."""
+        self = cls.__new__(cls)
+        self._setup(pool, scale)
+        self.write_cells = write_cells
+        empty = write_cells.new_empty(0)
+        self.decode = DecodeBatch(empty, empty, empty, 0)
+        self.prefill = prefill
+        self.padded = True
+        return self
+
     def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                window: int | None = None) -> torch.Tensor:
         """Store k, v [T, Hkv, D] at the step's cells; causal attention of q [T, Hq, D] -> [T, Hq, D]."""
@@ -108,7 +125,7 @@ class GpuTableAttention:
             write_quantized(kh, vh, self.write_cells, k, v, self.rotate_v)
         if q.stride(-1) != 1:
             q = q.contiguous()
-        out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+        out = (torch.zeros if self.padded else torch.empty)(q.shape, dtype=q.dtype, device=q.device)
         tables, chunk = self.pool.tables_device, self.pool.chunk_size
         decode_attention(q, out, self.decode, kh, vh, tables, chunk, self.scale, self.rotate_v)
         prefill_attention(q, out, self.prefill, kh, vh, tables, chunk, self.scale, self.rotate_v)

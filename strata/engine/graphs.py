@@ -28,6 +28,7 @@ graph of independent rows cannot do.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -217,9 +218,8 @@ class DecodeGraphs:
         if e is not None:
             return e
         dev = self.pool.device
-        host = torch.zeros((META_ROWS, size), dtype=torch.int64).pin_memory()
+        host, meta = staging(META_ROWS, size, dev)
         host[_ROWS] = torch.arange(size)
-        meta = torch.zeros((META_ROWS, size), dtype=torch.int64, device=dev)
         from strata.attention.triton_pool import GpuTableAttention
 
         ctx = GpuTableAttention.for_graph(self.pool, meta[_ROWS:_SLOT], self.scale)
@@ -230,19 +230,34 @@ class DecodeGraphs:
         e.copied.record()
         self._pad(host.numpy(), 0, size)
         meta.copy_(host)
-        side = torch.cuda.Stream(dev)
-        side.wait_stream(torch.cuda.current_stream(dev))
-        try:
-            with torch.cuda.stream(side):  # warm-up outside capture: kernel compiles, library handles
-                for _ in range(2):
-                    self._step(e)
-            torch.cuda.current_stream(dev).wait_stream(side)
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph):
-                e.logits = self._step(e)
-        except Exception as err:  # noqa: BLE001 - any failure: the step runs eagerly instead
-            torch.cuda.current_stream(dev).wait_stream(side)
-            raise CaptureFailed(f"{type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''}") from err
-        e.graph = graph
+        step = lambda: self._step(e)  # noqa: E731
+        e.graph, e.logits = capture(step, step, dev)
         self._entries[size] = e
         return e
+
+
+def staging(rows: int, size: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """A step's metadata buffer: [rows, size] int64 in pinned host memory, and its device copy."""
+    return (torch.zeros((rows, size), dtype=torch.int64).pin_memory(),
+            torch.zeros((rows, size), dtype=torch.int64, device=device))
+
+
+def capture(warm: Callable[[], torch.Tensor], step: Callable[[], torch.Tensor],
+            device: torch.device) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
+    """A CUDA graph of `step` and its output tensor, after two runs of `warm` on a side stream
+    (kernel compiles and autotuning, library handles: what cannot happen inside a capture).
+    Any failure raises CaptureFailed: the caller's steps then run eagerly."""
+    side = torch.cuda.Stream(device)
+    side.wait_stream(torch.cuda.current_stream(device))
+    try:
+        with torch.cuda.stream(side):
+            for _ in range(2):
+                warm()
+        torch.cuda.current_stream(device).wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            out = step()
+    except Exception as err:  # noqa: BLE001 - any failure: the step runs eagerly instead
+        torch.cuda.current_stream(device).wait_stream(side)
+        raise CaptureFailed(f"{type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''}") from err
+    return graph, out

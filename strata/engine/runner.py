@@ -16,6 +16,7 @@ from strata.kv.step import SeqSpec, sampled_rows, step_positions
 from strata.uploads import upload
 
 log = logging.getLogger(__name__)
+PROMPT_GRAPH_ROWS = 256  # the longest prompt piece a captured prompt step takes (prompt_graphs.SIZES)
 
 
 class StepHooks(Protocol):
@@ -65,6 +66,13 @@ class Runner:
             from strata.engine.graphs import DecodeGraphs  # imports Triton
 
             self.graphs = DecodeGraphs(model, pool, scale, rows_per_lane=rows_per_lane, states=states)
+        # CUDA graphs of one lane's short prompt pieces, for a recurrent model: a later turn that
+        # resumes from a checkpoint reads its new message in one replay (engine/prompt_graphs.py)
+        self.prompt_graphs = None
+        if self.graphs is not None and states is not None:
+            from strata.engine.prompt_graphs import PromptGraphs, prompt_sizes
+
+            self.prompt_graphs = PromptGraphs(model, pool, scale, states, prompt_sizes(PROMPT_GRAPH_ROWS))
 
     def describe_stages(self) -> list[dict]:
         """One stage: the whole model on one device (a split's runner lists each of its stages)."""
@@ -109,6 +117,19 @@ class Runner:
             self.graphs = None
             return False
 
+    def _prompt_graphs_ready(self, rows: int) -> bool:
+        """`_graphs_ready` for the prompt graph of `rows` rows: a failed capture turns the prompt
+        graphs off (one warning); the decode graphs stay."""
+        assert self.prompt_graphs is not None
+        try:
+            self.prompt_graphs.prepare(rows)
+            return True
+        except CaptureFailed as e:
+            log.warning("short prompt steps run eagerly from now on: a CUDA graph of %d rows did not "
+                        "capture (%s)", rows, e)
+            self.prompt_graphs = None
+            return False
+
     def _told(self, rows: int, launch: Callable[[], torch.Tensor]) -> torch.Tensor:
         """launch() with the hooks told of its `rows` real rows before and after."""
         if self.hooks is None:
@@ -120,6 +141,9 @@ class Runner:
 
     def _forward(self, seqs: list[SeqSpec], tokens: list[int], sample: list[int]) -> torch.Tensor:
         self.hidden = None  # a captured graph's step keeps none
+        if self.prompt_graphs is not None and self.prompt_graphs.supports(seqs, sample) \
+                and self._prompt_graphs_ready(seqs[0].n):
+            return self.prompt_graphs.forward(seqs[0], tokens, bool(sample[0]))  # valid until the next step
         if self.graphs is not None:
             rows = self.graphs.step_rows(seqs, sample)  # drafts verified as decode rows
             if rows is not None and self.graphs.supports(rows, [1] * len(rows)) and self._graphs_ready(len(rows)):

@@ -63,6 +63,25 @@ class RunStates:
         return len(next(iter(self.after.values())))
 
 
+@dataclass(frozen=True)
+class PadRows:
+    """The padding of a captured prompt step (engine/prompt_graphs.py): one sequence of B rows
+    whose first `n` are its tokens; device tensors refilled before each replay.
+
+    `real` [B] bool: the rows that are tokens; `n` [1] int64: how many. A recurrent layer
+    computes all B rows (the shapes are the graph's) but must leave the state as the n rows
+    leave it: the padding rows' gates make them no-ops and the convolution's tail is taken at
+    row n (`deltanet.GatedDeltaNet.mix_padded`).
+    """
+
+    real: torch.Tensor
+    n: torch.Tensor
+    # the B rows' varlen layout for FLA's kernels (`deltanet_fla.VarlenLayout`), built for the
+    # capture alone: FLA caches index tensors it derives by the identity of the layout's, so
+    # a layout an eager step also used could hand the graph a tensor that cache later frees
+    layout: object | None = None
+
+
 class StateContext(Protocol):
     """One step's view of the recurrent state of its sequences.
 
@@ -77,6 +96,9 @@ class StateContext(Protocol):
     runs: list[bool]
     # cuts[i]: the rows of sequence i after which its state goes to `keep_cut` (0 < c < n)
     cuts: list[tuple[int, ...]]
+    # a captured prompt step's padding (`PadRows`): its one sequence's rows past `pad.n` are
+    # padding, which a layer must leave out of the state; None in every other step
+    pad: PadRows | None
 
     def load(self, layer: int) -> dict[str, torch.Tensor]:
         """name -> [S, *shape] (float32 unless declared otherwise): each sequence's state before
@@ -229,12 +251,13 @@ class SlotStates:
     them before a layer's rows, scatters them back after. It verifies no drafts (`keep_run`)."""
 
     def __init__(self, pool: StatePool, slots: torch.Tensor, spans: list[tuple[int, int]],
-                 runs: list[bool], cuts: list[tuple[int, ...]]) -> None:
+                 runs: list[bool], cuts: list[tuple[int, ...]], pad: PadRows | None = None) -> None:
         self.pool = pool
         self.slots = slots
         self.spans = spans
         self.runs = runs
         self.cuts = cuts
+        self.pad = pad
 
     def load(self, layer: int) -> dict[str, torch.Tensor]:
         return {name: t.index_select(0, self.slots) for name, t in self.pool.layers[layer].items()}
@@ -287,3 +310,11 @@ def decode_states(pool: StatePool, slots: torch.Tensor) -> SlotStates:
     lie with no host work. No sequence starts at position 0 and none verifies drafts."""
     n = slots.shape[0]
     return SlotStates(pool, slots, [(i, 1) for i in range(n)], [False] * n, [()] * n)
+
+
+def prompt_states(pool: StatePool, slot: torch.Tensor, pad: PadRows) -> SlotStates:
+    """The StateContext of a captured prompt step (engine/prompt_graphs.py): one sequence, the
+    lane's slot in `slot` [1] (int64 on the device), its rows past `pad.n` padding. The lane
+    continues its state (it does not start at position 0) and verifies no drafts."""
+    rows = int(pad.real.shape[0])
+    return SlotStates(pool, slot, [(0, rows)], [False], [()], pad)

@@ -29,7 +29,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from strata.kv.state import RunStates, StateContext, StateShapes
+from strata.kv.state import PadRows, RunStates, StateContext, StateShapes
 from strata.models import ops
 from strata.models.base import ModelConfig
 from strata.models.deltanet_fla import (
@@ -38,6 +38,7 @@ from strata.models.deltanet_fla import (
     fla_delta_rule,
     fla_kernels,
     varlen_layout,
+    VarlenLayout,
 )
 from strata.models.dense import Linear
 from strata.uploads import upload
@@ -381,15 +382,16 @@ class GatedDeltaNet(nn.Module):
         return out, conv_after, ssm
 
     def mix_spans_fla(self, mixed: torch.Tensor, b: torch.Tensor, a: torch.Tensor, conv: torch.Tensor,
-                      ssm: torch.Tensor, spans: list[tuple[int, int]]
+                      ssm: torch.Tensor, spans: list[tuple[int, int]], layout: VarlenLayout | None = None
                       ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """`mix_spans_torch` through flash-linear-attention's kernels (CUDA, `deltanet_fla.py`):
         one convolution launch for every span, one delta-rule launch for the decode rows and
-        one for the longer spans."""
+        one for the longer spans. `layout`: the spans' (`varlen_layout`'s by default)."""
         kernels = fla_kernels()
         if kernels is None:
             raise RuntimeError("flash-linear-attention (the package fla-core) does not import")
-        layout = varlen_layout(tuple(spans), mixed.device)
+        if layout is None:
+            layout = varlen_layout(tuple(spans), mixed.device)
         mixed, conv = fla_conv(kernels, mixed, self.conv1d.weight.squeeze(1), conv, layout)
         t, key_dim = mixed.shape[0], self.hk * self.dk
         q, k, v = mixed.split((key_dim, key_dim, self.hv * self.dv), dim=-1)
@@ -397,6 +399,25 @@ class GatedDeltaNet(nn.Module):
         out, ssm = fla_delta_rule(kernels, q.view(t, self.hk, self.dk), k.view(t, self.hk, self.dk),
                                   v.view(t, self.hv, self.dv), g, beta, ssm, layout)
         return out, conv, ssm
+
+    def mix_padded(self, mix: Callable[..., tuple[torch.Tensor, torch.Tensor, torch.Tensor]],
+                   mixed: torch.Tensor, b: torch.Tensor, a: torch.Tensor, conv: torch.Tensor,
+                   ssm: torch.Tensor, pad: PadRows) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """`mix` (one of the `mix_spans_*`) over one sequence of B rows whose rows from `pad.n`
+        on are padding (a captured prompt step): the states come out as the n rows leave them.
+
+        A padding row's b and a are -inf, so beta = sigmoid(b) = 0 and g = -A softplus(a) = 0:
+        it decays the matrix state by exp(0) = 1 and corrects it by a zero multiple, exactly;
+        the rows before it never read it (causal). The convolution's tail is the K-1 inputs
+        before row n (the old tail, then the rows), gathered by the device count."""
+        rows = mixed.shape[0]
+        pad_row = ~pad.real[:, None]
+        b = b.masked_fill(pad_row, float("-inf"))
+        a = a.masked_fill(pad_row, float("-inf"))
+        out, _, ssm = mix(mixed, b, a, conv, ssm, [(0, rows)])
+        inputs = torch.cat((conv, mixed.T[None].float()), dim=2)  # [1, C, K-1 + B]
+        back = torch.arange(self.kernel - 1, device=mixed.device)
+        return out, inputs.index_select(2, pad.n + back), ssm
 
     def forward(self, x: torch.Tensor, states: StateContext | None) -> torch.Tensor:
         """x [T, hidden] -> [T, hidden]: each span of `states` continues its sequence's state.
@@ -419,7 +440,10 @@ class GatedDeltaNet(nn.Module):
                 states.keep_run(self.layer_index, seq, run)
         else:
             fla = backend_for(x.device, x.dtype) == "fla"
-            if any(states.cuts):
+            if states.pad is not None:
+                mix = functools.partial(self.mix_spans_fla, layout=states.pad.layout) if fla else self.mix_spans_torch
+                out, conv, ssm = self.mix_padded(mix, mixed, b, a, before["conv"], before["ssm"], states.pad)
+            elif any(states.cuts):
                 cut = self.mix_cut_fla if fla else functools.partial(self.mix_cut, self.mix_spans_torch)
                 out, conv, ssm = cut(mixed, b, a, before["conv"], before["ssm"], states)
             else:

@@ -146,6 +146,11 @@ def _decode_layout(rows: int, device: torch.device) -> VarlenLayout:
 
 @functools.lru_cache(maxsize=16)
 def _layout(spans: tuple[tuple[int, int], ...], device: torch.device) -> VarlenLayout:
+    return build_layout(spans, device)
+
+
+def build_layout(spans: tuple[tuple[int, int], ...], device: torch.device) -> VarlenLayout:
+    """`varlen_layout` made anew, uncached: a captured prompt step's own (`kv/state.py: PadRows`)."""
     num_rows = 0
     for start, n in spans:
         if start != num_rows or n < 1:

@@ -49,7 +49,7 @@ def _decode_run(folder: str, dtype: str, parallel: int, graphs: bool) -> tuple[l
                        max_context=128, prefill_chunk=8)
     with Engine(cfg) as eng:
         if not graphs:
-            eng.runner.graphs = None
+            eng.runner.graphs = eng.runner.prompt_graphs = None
         if parallel == 1:
             out = [eng.complete(p, GREEDY).token_ids for p in PROMPTS]
         else:
@@ -87,6 +87,7 @@ def test_a_graph_that_does_not_capture_leaves_the_steps_eager(tmp_path, caplog) 
     with Engine(cfg) as eng:
         graphs = eng.runner.graphs
         assert graphs is not None
+        eng.runner.prompt_graphs = None  # the decode graphs' failure alone
 
         def broken(entry: object) -> None:
             raise RuntimeError("operation not permitted when stream is capturing")

@@ -78,3 +78,65 @@ def test_graphs_of_a_recurrent_model_need_the_trash_slot() -> None:
     pool = KvPool(make_format("bf16", 2, 32), 1, 2, 256, 16, 8 * 16, "cpu")
     with pytest.raises(ValueError, match="trash"):
         DecodeGraphs(None, pool, 1.0, states=StatePool({0: {"ssm": (2,)}}, 2, "cpu"))  # type: ignore[arg-type]
+
+
+def _prompt_graphs(lanes: int = 3):
+    from strata.engine.prompt_graphs import PromptGraphs
+    from strata.kv.state import StatePool
+
+    pool = KvPool(make_format("bf16", 2, 32), 1, lanes, 256, 16, 16 * 16, "cpu")
+    for s in range(lanes):
+        assert pool.reserve(s, 60)
+    states = StatePool({0: {"ssm": (2, 2)}}, lanes, "cpu", trash=True)
+    return pool, states, PromptGraphs(None, pool, 1.0, states, [8, 16, 32])  # type: ignore[arg-type]
+
+
+def test_a_prompt_step_stages_its_rows_then_padding() -> None:
+    """A captured prompt step of one lane: its tokens' ids, positions and write cells, which rows
+    are tokens, and the lane's table row, start, count, state slot and last row; the rest of the
+    rows write into the trash chunk. A shorter step after a longer one pads again."""
+    from strata.engine.prompt_graphs import META_ROWS
+    from strata.engine.prompt_graphs import _Entry as PromptEntry
+
+    pool, states, graphs = _prompt_graphs()
+    states.swap(1, 2)
+    states.cut_states = {1: {}}
+    host = torch.zeros((META_ROWS, 16), dtype=torch.int64)
+    e = PromptEntry(16, host, torch.zeros_like(host), _NoEvent())  # type: ignore[arg-type]
+    trash_cell = pool.trash * pool.chunk_size
+    seq = SeqSpec(1, 30, 11, prompt=True)
+    graphs._fill(e, seq, list(range(100, 111)))
+    ids, pos, cells, real, one = e.meta.tolist()
+    assert ids == list(range(100, 111)) + [0] * 5
+    assert pos == list(range(30, 41)) + [0] * 5
+    want = [int(pool.tables[1, p // 16]) * 16 + p % 16 for p in range(30, 41)]
+    assert cells == want + [trash_cell] * 5
+    assert real == [1] * 11 + [0] * 5
+    assert one[:5] == [1, 30, 11, 2, 10]  # lane, start, count, slot (swapped), last row
+    assert states.cut_states == {}
+    graphs._fill(e, SeqSpec(0, 50, 3, prompt=True), [7, 8, 9])
+    ids, _, cells, real, one = e.meta.tolist()
+    assert ids == [7, 8, 9] + [0] * 13 and real == [1] * 3 + [0] * 13
+    assert cells[3:] == [trash_cell] * 13 and one[:5] == [0, 50, 3, 0, 2]
+
+
+def test_prompt_graphs_take_one_lane_s_short_piece_that_continues_its_state() -> None:
+    _, _, graphs = _prompt_graphs()
+    assert graphs.supports([SeqSpec(0, 30, 20, prompt=True)], [1])
+    assert graphs.supports([SeqSpec(0, 30, 32, prompt=True)], [0])  # a piece before the last
+    assert graphs.size_for(20) == 32 and graphs.size_for(8) == 8
+    assert not graphs.supports([SeqSpec(0, 30, 33, prompt=True)], [1])  # longer than the largest
+    assert not graphs.supports([SeqSpec(0, 0, 20, prompt=True)], [1])  # from zeros: eager
+    assert not graphs.supports([SeqSpec(0, 30, 20, prompt=True, cuts=(5,))], [1])  # a checkpoint inside
+    assert not graphs.supports([SeqSpec(0, 30, 20, prompt=True), SeqSpec(1, 9, 1)], [1, 1])  # two lanes
+    assert not graphs.supports([SeqSpec(0, 30, 1)], [1])  # a decode row: the decode graphs'
+    assert not graphs.supports([SeqSpec(0, 30, 3, drafted=True)], [3])
+
+
+def test_prompt_graphs_need_the_trash_slot() -> None:
+    from strata.engine.prompt_graphs import PromptGraphs
+    from strata.kv.state import StatePool
+
+    pool = KvPool(make_format("bf16", 2, 32), 1, 2, 256, 16, 8 * 16, "cpu")
+    with pytest.raises(ValueError, match="trash"):
+        PromptGraphs(None, pool, 1.0, StatePool({0: {"ssm": (2,)}}, 2, "cpu"), [8])  # type: ignore[arg-type]

@@ -13,6 +13,7 @@ class CutStates:
 
     def __init__(self, spans: list[tuple[int, int]], cuts: list[tuple[int, ...]]) -> None:
         self.spans, self.cuts = spans, cuts
+        self.pad = None
         self.kept: dict[tuple[int, int], dict[str, torch.Tensor]] = {}
 
     def keep_cut(self, layer: int, seq: int, rows: int, state: dict[str, torch.Tensor]) -> None:

@@ -67,6 +67,7 @@ class DenseStates:
         self.spans: list[tuple[int, int]] = []
         self.runs: list[bool] = []  # no verified runs of drafts here
         self.cuts: list[tuple[int, ...]] = []
+        self.pad = None  # no captured prompt step's padding here
         self.at_cuts: dict[int, dict[int, dict[str, torch.Tensor]]] = {}  # rows -> layer -> state
         self.slot_of: dict[str, int] = {}
         self.held: dict[int, dict[str, torch.Tensor]] = {}

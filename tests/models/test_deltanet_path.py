@@ -205,3 +205,45 @@ def test_a_later_turn_s_cut_reads_its_rows_as_slices() -> None:
     assert torch.equal(fla.kept[(0, 79)]["conv"], ref.kept[(0, 79)]["conv"])
     assert torch.allclose(fla.kept[(0, 79)]["ssm"], ref.kept[(0, 79)]["ssm"], rtol=1e-5, atol=1e-6)
     assert all(torch.allclose(x, y, rtol=1e-5, atol=1e-6) for x, y in zip(got, want))
+
+
+@pytest.mark.parametrize("backend", ["torch", "fla_glue"])
+@pytest.mark.parametrize("n,rows", [(5, 8), (70, 96), (2, 16)])
+@torch.no_grad()
+def test_padding_rows_leave_the_state_as_the_rows_before_them(n: int, rows: int, backend: str) -> None:
+    """A captured prompt step's one sequence of `rows` rows whose first n are tokens
+    (`mix_padded`): the padding rows (random, not zeros) leave the matrix state and the
+    convolution's tail as the n rows alone leave them, and the n rows' outputs are theirs. The
+    tail is the same bits; the outputs and state agree to float32 rounding (the chunked form's
+    last block has other row counts). The control does not mask the padding: the state moves."""
+    import functools
+    from unittest import mock
+
+    from strata.kv.state import PadRows
+    from strata.models import deltanet
+    from strata.models.deltanet_fla import build_layout
+    from tests.models.fake_fla import KERNELS
+
+    layer = _layer()
+    g = torch.Generator().manual_seed(5)
+    mixed = torch.randn(rows, layer.conv_dim, generator=g)
+    b, a = torch.randn(rows, layer.hv, generator=g), torch.randn(rows, layer.hv, generator=g)
+    conv = torch.randn(1, layer.conv_dim, layer.kernel - 1, generator=g)
+    ssm = 0.3 * torch.randn(1, layer.hv, layer.dk, layer.dv, generator=g)
+    real = torch.arange(rows) < n
+    count = torch.tensor([n])
+    if backend == "torch":
+        mix = layer.mix_spans_torch
+    else:
+        mix = functools.partial(layer.mix_spans_fla, layout=build_layout(((0, rows),), torch.device("cpu")))
+    want = layer.mix_spans_torch(mixed[:n], b[:n], a[:n], conv, ssm, [(0, n)])
+    with mock.patch.object(deltanet, "fla_kernels", lambda: KERNELS):
+        out, c, s = layer.mix_padded(mix, mixed, b, a, conv, ssm, PadRows(real, count))
+        unmasked = layer.mix_padded(mix, mixed, b, a, conv, ssm, PadRows(torch.ones(rows, dtype=torch.bool), count))
+
+    def close(x: torch.Tensor, y: torch.Tensor) -> bool:
+        return torch.allclose(x, y, rtol=1e-5, atol=1e-6)
+
+    assert torch.equal(c, want[1])
+    assert close(out[:n], want[0]) and close(s, want[2])
+    assert torch.equal(unmasked[1], want[1]) and not close(unmasked[2], want[2])

@@ -59,6 +59,7 @@ def _prefill_kernel(
     cdt = q.dtype.element_ty
     table_row = tables + session * t_stride
     hi = tl.minimum(start + m0 + BLOCK_M, start + n)  # keys past the block's last query: none
+    hi = tl.where(m0 < n, hi, 0)  # a block of padding rows (a captured prompt step's): no keys
 
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
