@@ -8,24 +8,27 @@ kernels, 50 ms of host time against a few ms of kernels on an H100
 chat again. Captured, it is one replay.
 
 A step of n rows runs the smallest captured size B >= n. Rows past n are
-padding: they write their K/V into the trash chunk, their attention output
-is zeros, and in the recurrent layers their gates make them no-ops while the
-convolution's tail is taken at row n (`kv/state.py: PadRows`,
-`deltanet.GatedDeltaNet.mix_padded`). The attention reads the new rows as
-prompt rows (the prefill kernel), one sequence whose length `n` is device
-data, so one capture serves every length up to B and every context.
+padding: they write their K/V into the trash chunk and their attention output
+is zeros. The attention reads the new rows as prompt rows (the prefill
+kernel), one sequence whose length is device data, so one capture serves
+every length up to B and every context. The recurrent layers read the rows
+before the last token with the rest masked to no-ops, then the last token
+alone, as a prompt whose end is a cut point is read (every prompt's is:
+`checkpoints.cut_points`), and hand over the state between the two
+(`kv/state.py: PadRows`, `deltanet.GatedDeltaNet.mix_padded`); with that cut,
+a replay's copy of it goes to the pool's cut states as an eager step's would.
 
 What a replay reads lives in one pinned staging buffer copied to the device
-before it (ids, positions, write cells, which rows are tokens, and the
-lane's table row, start, count, state slot and last row). The logits are
-the last token's. Padding changes the products' row count, so a lane's bits
-here are not an eager step's (as with decode graphs on the GPU); the answer
-is held to the eager one within tolerance (tests/gpu/test_prompt_graphs.py).
+before it (ids, positions, write cells, which rows precede the last token,
+and the lane's table row, start, count, state slot and last row). The logits
+are the last token's. Padding changes the products' row count, so a lane's
+bits here are not an eager step's (as with decode graphs on the GPU); the
+answer is held to the eager one within tolerance (tests/gpu/test_prompt_graphs.py).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
@@ -36,7 +39,7 @@ from strata.kv.state import PadRows, StatePool, prompt_states
 from strata.kv.step import SeqSpec, cells_at
 
 SIZES = (8, 16, 32, 48, 64, 96, 128, 192, 256)  # padded rows of the captured prompt steps
-_IDS, _POS, _CELLS, _REAL, _ONE = range(5)  # rows of the staging buffer; _ONE holds the scalars
+_IDS, _POS, _CELLS, _HEAD, _ONE = range(5)  # rows of the staging buffer; _ONE holds the scalars
 _LANE, _START, _N, _SLOT, _LAST = range(5)  # columns of row _ONE
 META_ROWS = 5
 
@@ -50,6 +53,7 @@ class _Entry:
     graph: torch.cuda.CUDAGraph | None = None
     logits: torch.Tensor | None = None  # [1, vocab] float32: the last token's
     layout: object | None = None  # the capture's own varlen layout (`PadRows.layout`), kept with it
+    kept: dict = field(default_factory=dict)  # layer -> name -> the graph's state before the last token
 
 
 def prompt_sizes(most: int) -> list[int]:
@@ -75,12 +79,13 @@ class PromptGraphs:
 
     def supports(self, seqs: list[SeqSpec], sample: list[int]) -> bool:
         """One lane's prompt piece of at most the largest size that continues its state (not at
-        position 0), with no cut points, sampling its last row or none."""
+        position 0), sampling its last row or none, with no cut point but the one before its
+        last token (where a prompt's end always has one: `checkpoints.cut_points`)."""
         if len(seqs) != 1:
             return False
         s = seqs[0]
-        return (s.prompt and not s.drafted and not s.cuts and s.start > 0 and 0 < s.n <= self.sizes[-1]
-                and int(sample[0]) in (0, 1))
+        return (s.prompt and not s.drafted and s.cuts in ((), (s.n - 1,)) and s.start > 0
+                and 0 < s.n <= self.sizes[-1] and int(sample[0]) in (0, 1))
 
     def size_for(self, rows: int) -> int:
         return next(s for s in self.sizes if s >= rows)
@@ -96,11 +101,16 @@ class PromptGraphs:
     @torch.inference_mode()
     def forward(self, seq: SeqSpec, tokens: list[int], sample: bool) -> torch.Tensor:
         """The last token's logits [1, vocab] (float32; valid until the next call), or [0] rows
-        without `sample`; the lane's K/V and state advance by the step's tokens."""
+        without `sample`; the lane's K/V and state advance by the step's tokens, and with the
+        cut before the last token its state there goes to the pool's cut states (copies of the
+        graph's buffers, which the next replay overwrites)."""
         e = self._entry(self.size_for(seq.n))
         self._fill(e, seq, tokens)
         assert e.graph is not None and e.logits is not None
         e.graph.replay()
+        if seq.cuts:
+            self.states.cut_states = {seq.lane: {seq.n - 1: {
+                layer: {name: t.clone() for name, t in named.items()} for layer, named in e.kept.items()}}}
         return e.logits if sample else e.logits[:0]
 
     @torch.inference_mode()
@@ -108,13 +118,14 @@ class PromptGraphs:
         """The same padded step without the graph (what a replay must reproduce bit for bit)."""
         e = self._entry(self.size_for(seq.n))
         self._fill(e, seq, tokens)
-        return self._step(e).clone()
+        return self._step(e, None, {}).clone()
 
     # ---- internals -----------------------------------------------------------------
-    def _step(self, e: _Entry, layout: object | None = None) -> torch.Tensor:
+    def _step(self, e: _Entry, layout: object | None, kept: dict) -> torch.Tensor:
+        """The padded step; the recurrent layers put their states before the last token in `kept`."""
         m, meta = self.model, e.meta
         one = meta[_ONE]
-        pad = PadRows(meta[_REAL] != 0, one[_N : _N + 1], layout)
+        pad = PadRows(meta[_HEAD] != 0, one[_LAST : _LAST + 1], layout, kept)
         from strata.attention.triton_pool import GpuTableAttention
         from strata.kernels.triton.prefill import BLOCK_M, PrefillBatch
 
@@ -139,7 +150,7 @@ class PromptGraphs:
         h[_IDS, :n] = tokens
         h[_POS, :n] = pos
         h[_CELLS, :n] = cells_at(self.pool.tables.numpy(), chunk, np.full(n, seq.lane, np.int64), pos)
-        h[_REAL, :n] = 1
+        h[_HEAD, : n - 1] = 1
         h[_ONE, [_LANE, _START, _N, _SLOT, _LAST]] = [seq.lane, seq.start, n, self.states.slot_of[seq.lane], n - 1]
         self.states.kept_runs = {}  # as an eager step lets the last step's runs and cuts go
         self.states.cut_states = {}
@@ -169,5 +180,5 @@ class PromptGraphs:
         from strata.models.deltanet_fla import build_layout
 
         e.layout = build_layout(((0, size),), dev)  # never seen by an eager step (`PadRows.layout`)
-        e.graph, e.logits = capture(lambda: self._step(e), lambda: self._step(e, e.layout), dev)
+        e.graph, e.logits = capture(lambda: self._step(e, None, {}), lambda: self._step(e, e.layout, e.kept), dev)
         return e

@@ -34,7 +34,7 @@ bit for bit the state of a run that never saw the rejected tokens.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Protocol
 
 import torch
@@ -66,20 +66,25 @@ class RunStates:
 @dataclass(frozen=True)
 class PadRows:
     """The padding of a captured prompt step (engine/prompt_graphs.py): one sequence of B rows
-    whose first `n` are its tokens; device tensors refilled before each replay.
+    whose first n are its tokens, the last of them read apart; device tensors refilled before
+    each replay.
 
-    `real` [B] bool: the rows that are tokens; `n` [1] int64: how many. A recurrent layer
-    computes all B rows (the shapes are the graph's) but must leave the state as the n rows
-    leave it: the padding rows' gates make them no-ops and the convolution's tail is taken at
-    row n (`deltanet.GatedDeltaNet.mix_padded`).
+    `head` [B] bool: the rows before the last token (rows < n - 1); `last` [1] int64: the last
+    token's row, n - 1. A recurrent layer computes all B rows (the graph's shapes) but leaves
+    the state as the tokens leave it: the rows from n - 1 on are no-ops in the first pass (their
+    gates are masked), then the last token continues the state alone, as a prompt whose end
+    is a cut point is read (`checkpoints.cut_points` always cuts one token before the end), so
+    the state before it is at hand for that checkpoint: each layer puts it in `kept` (layer ->
+    name -> state; in a captured graph, its buffers, which every replay refills).
     """
 
-    real: torch.Tensor
-    n: torch.Tensor
+    head: torch.Tensor
+    last: torch.Tensor
     # the B rows' varlen layout for FLA's kernels (`deltanet_fla.VarlenLayout`), built for the
     # capture alone: FLA caches index tensors it derives by the identity of the layout's, so
     # a layout an eager step also used could hand the graph a tensor that cache later frees
     layout: object | None = None
+    kept: dict[int, dict[str, torch.Tensor]] = field(default_factory=dict)
 
 
 class StateContext(Protocol):

@@ -400,24 +400,31 @@ class GatedDeltaNet(nn.Module):
                                   v.view(t, self.hv, self.dv), g, beta, ssm, layout)
         return out, conv, ssm
 
-    def mix_padded(self, mix: Callable[..., tuple[torch.Tensor, torch.Tensor, torch.Tensor]],
+    def mix_padded(self, mix_rows: Callable[..., tuple[torch.Tensor, torch.Tensor, torch.Tensor]],
+                   mix_one: Callable[..., tuple[torch.Tensor, torch.Tensor, torch.Tensor]],
                    mixed: torch.Tensor, b: torch.Tensor, a: torch.Tensor, conv: torch.Tensor,
                    ssm: torch.Tensor, pad: PadRows) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """`mix` (one of the `mix_spans_*`) over one sequence of B rows whose rows from `pad.n`
-        on are padding (a captured prompt step): the states come out as the n rows leave them.
+        """One sequence of B rows whose first n are tokens (a captured prompt step, `PadRows`):
+        `mix_rows` (a `mix_spans_*`) reads the rows before the last token, `mix_one` the last
+        token from the state they leave, which goes to `pad.kept` (the checkpoint one token
+        before a prompt's end): the arithmetic of `mix_cut` with a cut at n - 1.
 
-        A padding row's b and a are -inf, so beta = sigmoid(b) = 0 and g = -A softplus(a) = 0:
-        it decays the matrix state by exp(0) = 1 and corrects it by a zero multiple, exactly;
-        the rows before it never read it (causal). The convolution's tail is the K-1 inputs
-        before row n (the old tail, then the rows), gathered by the device count."""
+        In the first pass the rows from n - 1 on have b and a of -inf, so beta = sigmoid(b) = 0
+        and g = -A softplus(a) = 0: each decays the matrix state by exp(0) = 1 and corrects it
+        by a zero multiple, exactly; the rows before them never read them (causal). The
+        convolution's tail before the last token is the K-1 inputs before row n - 1 (the old
+        tail, then the rows), gathered by the device index."""
         rows = mixed.shape[0]
-        pad_row = ~pad.real[:, None]
-        b = b.masked_fill(pad_row, float("-inf"))
-        a = a.masked_fill(pad_row, float("-inf"))
-        out, _, ssm = mix(mixed, b, a, conv, ssm, [(0, rows)])
+        later = ~pad.head[:, None]
+        out, _, ssm_cut = mix_rows(mixed, b.masked_fill(later, float("-inf")), a.masked_fill(later, float("-inf")),
+                                   conv, ssm, [(0, rows)])
         inputs = torch.cat((conv, mixed.T[None].float()), dim=2)  # [1, C, K-1 + B]
-        back = torch.arange(self.kernel - 1, device=mixed.device)
-        return out, inputs.index_select(2, pad.n + back), ssm
+        conv_cut = inputs.index_select(2, pad.last + torch.arange(self.kernel - 1, device=mixed.device))
+        pad.kept[self.layer_index] = {"conv": conv_cut[0], "ssm": ssm_cut[0]}
+        last = pad.last
+        o, conv, ssm = mix_one(mixed.index_select(0, last), b.index_select(0, last), a.index_select(0, last),
+                               conv_cut, ssm_cut, [(0, 1)])
+        return out.index_copy(0, last, o), conv, ssm
 
     def forward(self, x: torch.Tensor, states: StateContext | None) -> torch.Tensor:
         """x [T, hidden] -> [T, hidden]: each span of `states` continues its sequence's state.
@@ -441,8 +448,9 @@ class GatedDeltaNet(nn.Module):
         else:
             fla = backend_for(x.device, x.dtype) == "fla"
             if states.pad is not None:
-                mix = functools.partial(self.mix_spans_fla, layout=states.pad.layout) if fla else self.mix_spans_torch
-                out, conv, ssm = self.mix_padded(mix, mixed, b, a, before["conv"], before["ssm"], states.pad)
+                one = self.mix_spans_fla if fla else self.mix_spans_torch
+                rows = functools.partial(one, layout=states.pad.layout) if fla else one
+                out, conv, ssm = self.mix_padded(rows, one, mixed, b, a, before["conv"], before["ssm"], states.pad)
             elif any(states.cuts):
                 cut = self.mix_cut_fla if fla else functools.partial(self.mix_cut, self.mix_spans_torch)
                 out, conv, ssm = cut(mixed, b, a, before["conv"], before["ssm"], states)

@@ -93,7 +93,7 @@ def _prompt_graphs(lanes: int = 3):
 
 def test_a_prompt_step_stages_its_rows_then_padding() -> None:
     """A captured prompt step of one lane: its tokens' ids, positions and write cells, which rows
-    are tokens, and the lane's table row, start, count, state slot and last row; the rest of the
+    precede the last token, and the lane's table row, start, count, state slot and last row; the rest of the
     rows write into the trash chunk. A shorter step after a longer one pads again."""
     from strata.engine.prompt_graphs import META_ROWS
     from strata.engine.prompt_graphs import _Entry as PromptEntry
@@ -106,17 +106,17 @@ def test_a_prompt_step_stages_its_rows_then_padding() -> None:
     trash_cell = pool.trash * pool.chunk_size
     seq = SeqSpec(1, 30, 11, prompt=True)
     graphs._fill(e, seq, list(range(100, 111)))
-    ids, pos, cells, real, one = e.meta.tolist()
+    ids, pos, cells, head, one = e.meta.tolist()
     assert ids == list(range(100, 111)) + [0] * 5
     assert pos == list(range(30, 41)) + [0] * 5
     want = [int(pool.tables[1, p // 16]) * 16 + p % 16 for p in range(30, 41)]
     assert cells == want + [trash_cell] * 5
-    assert real == [1] * 11 + [0] * 5
+    assert head == [1] * 10 + [0] * 6
     assert one[:5] == [1, 30, 11, 2, 10]  # lane, start, count, slot (swapped), last row
     assert states.cut_states == {}
     graphs._fill(e, SeqSpec(0, 50, 3, prompt=True), [7, 8, 9])
-    ids, _, cells, real, one = e.meta.tolist()
-    assert ids == [7, 8, 9] + [0] * 13 and real == [1] * 3 + [0] * 13
+    ids, _, cells, head, one = e.meta.tolist()
+    assert ids == [7, 8, 9] + [0] * 13 and head == [1] * 2 + [0] * 14
     assert cells[3:] == [trash_cell] * 13 and one[:5] == [0, 50, 3, 0, 2]
 
 
@@ -127,7 +127,9 @@ def test_prompt_graphs_take_one_lane_s_short_piece_that_continues_its_state() ->
     assert graphs.size_for(20) == 32 and graphs.size_for(8) == 8
     assert not graphs.supports([SeqSpec(0, 30, 33, prompt=True)], [1])  # longer than the largest
     assert not graphs.supports([SeqSpec(0, 0, 20, prompt=True)], [1])  # from zeros: eager
-    assert not graphs.supports([SeqSpec(0, 30, 20, prompt=True, cuts=(5,))], [1])  # a checkpoint inside
+    assert graphs.supports([SeqSpec(0, 30, 20, prompt=True, cuts=(19,))], [1])  # the cut before the end
+    assert not graphs.supports([SeqSpec(0, 30, 20, prompt=True, cuts=(5,))], [1])  # another checkpoint
+    assert not graphs.supports([SeqSpec(0, 30, 20, prompt=True, cuts=(5, 19))], [1])
     assert not graphs.supports([SeqSpec(0, 30, 20, prompt=True), SeqSpec(1, 9, 1)], [1, 1])  # two lanes
     assert not graphs.supports([SeqSpec(0, 30, 1)], [1])  # a decode row: the decode graphs'
     assert not graphs.supports([SeqSpec(0, 30, 3, drafted=True)], [3])

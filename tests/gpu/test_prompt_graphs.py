@@ -58,10 +58,11 @@ def _slot_state(states: StatePool, lane: int) -> dict:
 
 @torch.inference_mode()
 def test_a_replay_is_the_padded_step_and_close_to_the_unpadded_one(folder: str) -> None:
-    """Pieces of 5, 16 and 37 rows after a 40-token prompt (sizes 8, 16, 64): the replay gives the
-    eager padded step's logits and state bit for bit; against the same pieces read by an eager
-    runner in a second pool, the logits, the DeltaNet states and the new rows' K/V agree to bf16
-    rounding, and the trash state slot is the only one padding wrote."""
+    """Pieces of 5, 16, 37 and 1 rows after a 40-token prompt (sizes 8, 16, 64, 8), each cut
+    before its last token: the replay gives the eager padded step's logits and state bit for bit;
+    against the same pieces read by an eager runner in a second pool, the logits, the DeltaNet
+    states, the states handed over at the cut and the new rows' K/V agree to bf16 rounding; no
+    other lane's state is written."""
     model = load_model(folder, device="cuda", dtype="bfloat16", weights="dense", progress=False).model
     scale = model.config.attn_scale
     (pool, states), (ref_pool, ref_states) = _parts(model), _parts(model)
@@ -69,14 +70,14 @@ def test_a_replay_is_the_padded_step_and_close_to_the_unpadded_one(folder: str) 
     ref = Runner(model, ref_pool, scale, torch.device("cuda"), graphs=False, states=ref_states)
     graphs = PromptGraphs(model, pool, scale, states, [8, 16, 32, 64])
     g = torch.Generator().manual_seed(7)
-    tokens = torch.randint(0, model.config.vocab_size, (40 + 5 + 16 + 37,), generator=g).tolist()
+    tokens = torch.randint(0, model.config.vocab_size, (40 + 5 + 16 + 37 + 1,), generator=g).tolist()
     for p, r in ((pool, runner), (ref_pool, ref)):
         assert p.reserve(LANE, len(tokens))
         r.forward([SeqSpec(LANE, 0, 40, prompt=True)], tokens[:40], [1])
     other = _slot_state(states, 0)
     start = 40
-    for n, size in ((5, 8), (16, 16), (37, 64)):
-        seq = SeqSpec(LANE, start, n, prompt=True)
+    for n, size in ((5, 8), (16, 16), (37, 64), (1, 8)):
+        seq = SeqSpec(LANE, start, n, prompt=True, cuts=(n - 1,) if n > 1 else ())
         piece = tokens[start : start + n]
         before = _slot_state(states, LANE)
         eager = graphs.eager(seq, piece)
@@ -88,7 +89,15 @@ def test_a_replay_is_the_padded_step_and_close_to_the_unpadded_one(folder: str) 
         assert torch.equal(replay, eager), n
         got = _slot_state(states, LANE)
         assert all(torch.equal(got[k], after_eager[k]) for k in got), n
+        cut = states.take_cuts()
         want = ref.forward([seq], piece, [1])
+        want_cut = ref_states.take_cuts()
+        assert sorted(cut) == sorted(want_cut) == ([LANE] if n > 1 else [])
+        for lane, at in want_cut.items():
+            assert sorted(at) == sorted(cut[lane]) == [n - 1]
+            for layer, named in at[n - 1].items():
+                for name, t in named.items():
+                    assert _rel(cut[lane][n - 1][layer][name], t) < 2e-2, (n, layer, name)
         assert _rel(replay, want) < 2e-2, (n, _rel(replay, want))
         assert torch.equal(replay.argmax(-1), want.argmax(-1)) or _rel(replay, want) < 5e-3
         want_state = _slot_state(ref_states, LANE)

@@ -208,14 +208,15 @@ def test_a_later_turn_s_cut_reads_its_rows_as_slices() -> None:
 
 
 @pytest.mark.parametrize("backend", ["torch", "fla_glue"])
-@pytest.mark.parametrize("n,rows", [(5, 8), (70, 96), (2, 16)])
+@pytest.mark.parametrize("n,rows", [(5, 8), (70, 96), (2, 16), (1, 8)])
 @torch.no_grad()
-def test_padding_rows_leave_the_state_as_the_rows_before_them(n: int, rows: int, backend: str) -> None:
+def test_padding_rows_leave_the_state_as_the_tokens_do(n: int, rows: int, backend: str) -> None:
     """A captured prompt step's one sequence of `rows` rows whose first n are tokens
     (`mix_padded`): the padding rows (random, not zeros) leave the matrix state and the
-    convolution's tail as the n rows alone leave them, and the n rows' outputs are theirs. The
-    tail is the same bits; the outputs and state agree to float32 rounding (the chunked form's
-    last block has other row counts). The control does not mask the padding: the state moves."""
+    convolution's tail as the tokens alone leave them read with a cut before the last one, the
+    state at that cut is handed over, and the tokens' outputs are theirs. The tails are the same
+    bits; outputs and states agree to float32 rounding (the chunked form's last block has other
+    row counts). The control does not mask the padding: the states move."""
     import functools
     from unittest import mock
 
@@ -230,20 +231,28 @@ def test_padding_rows_leave_the_state_as_the_rows_before_them(n: int, rows: int,
     b, a = torch.randn(rows, layer.hv, generator=g), torch.randn(rows, layer.hv, generator=g)
     conv = torch.randn(1, layer.conv_dim, layer.kernel - 1, generator=g)
     ssm = 0.3 * torch.randn(1, layer.hv, layer.dk, layer.dv, generator=g)
-    real = torch.arange(rows) < n
-    count = torch.tensor([n])
+    last = torch.tensor([n - 1])
     if backend == "torch":
-        mix = layer.mix_spans_torch
+        one = many = layer.mix_spans_torch
     else:
-        mix = functools.partial(layer.mix_spans_fla, layout=build_layout(((0, rows),), torch.device("cpu")))
-    want = layer.mix_spans_torch(mixed[:n], b[:n], a[:n], conv, ssm, [(0, n)])
+        one = layer.mix_spans_fla
+        many = functools.partial(one, layout=build_layout(((0, rows),), torch.device("cpu")))
+    ref = CutStates([(0, n)], [(n - 1,)] if n > 1 else [()])
+    want = layer.mix_cut(layer.mix_spans_torch, mixed[:n], b[:n], a[:n], conv, ssm, ref)
+    if n > 1:
+        want_cut = ref.kept[(0, n - 1)]
+    else:
+        want_cut = {"conv": conv[0], "ssm": ssm[0]}
+    pad = PadRows(torch.arange(rows) < n - 1, last)
+    unmasked = PadRows(torch.ones(rows, dtype=torch.bool), last)
     with mock.patch.object(deltanet, "fla_kernels", lambda: KERNELS):
-        out, c, s = layer.mix_padded(mix, mixed, b, a, conv, ssm, PadRows(real, count))
-        unmasked = layer.mix_padded(mix, mixed, b, a, conv, ssm, PadRows(torch.ones(rows, dtype=torch.bool), count))
+        out, c, s = layer.mix_padded(many, one, mixed, b, a, conv, ssm, pad)
+        control = layer.mix_padded(many, one, mixed, b, a, conv, ssm, unmasked)
 
     def close(x: torch.Tensor, y: torch.Tensor) -> bool:
         return torch.allclose(x, y, rtol=1e-5, atol=1e-6)
 
-    assert torch.equal(c, want[1])
-    assert close(out[:n], want[0]) and close(s, want[2])
-    assert torch.equal(unmasked[1], want[1]) and not close(unmasked[2], want[2])
+    assert torch.equal(c, want[1]) and torch.equal(pad.kept[0]["conv"], want_cut["conv"])
+    assert close(out[:n], want[0]) and close(s, want[2]) and close(pad.kept[0]["ssm"], want_cut["ssm"])
+    assert torch.equal(control[1], want[1]) and not close(control[2], want[2])
+    assert not close(unmasked.kept[0]["ssm"], want_cut["ssm"])
