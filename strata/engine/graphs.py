@@ -6,7 +6,8 @@ is replayed with one call. What changes between steps lives in fixed device
 buffers refilled before each replay (token ids, positions, lanes,
 lengths, write cells, in one host-to-device copy); the chunk tables are read
 from the pool's fixed device copy, so moves and reservations need no
-re-capture. Prompt reading stays eager.
+re-capture. Prompt reading stays eager (a recurrent model's short one-lane
+prompt steps excepted: prompt_graphs.py).
 
 A step of n lanes runs the smallest captured size >= n; padding lanes read
 one cell of lane 0 and write into the trash chunk, so they touch nothing

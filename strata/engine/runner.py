@@ -59,7 +59,7 @@ class Runner:
         self.hooks = hooks
         self.hidden: torch.Tensor | None = None  # the last eager step's, with keep_hidden
         self.context = backend_for(pool, windowed)  # the attention backend of every step (attention/select.py)
-        self.graphs = None  # CUDA graphs of decode steps (prompt reading stays eager)
+        self.graphs = None  # CUDA graphs of decode steps
         # an MTP head feeds on every step's hidden states, which a replayed graph does not keep
         capturable = states is None or (model.states_capturable() and not keep_hidden)
         if graphs and capturable and graphs_possible(self.context):
