@@ -244,6 +244,8 @@ def main(argv: list[str] | None = None) -> int:
                 for system, steps in passes:  # the same lengths, other tokens: the last pass is timed
                     runs[label] = replay(engine_sender(eng), system, steps)
                 runs[label + "_checkpoints"] = eng.stats()["checkpoints"]
+                graphs = getattr(eng.runner, "prompt_graphs", None)  # a layer split's runner has none
+                runs[label + "_prompt_graphs"] = [] if graphs is None else graphs.captured()
                 if args.long:
                     runs[label + "_long"] = long_reads(engine_sender(eng), args.long, args.long_cut)
                 if args.profile and label == "checkpoints":
@@ -253,7 +255,8 @@ def main(argv: list[str] | None = None) -> int:
         out: dict[str, Any] = {"device": args.device, "dtype": args.dtype, "hidden": args.hidden, "layers": args.layers,
                                "system_tokens": args.system, "min_step": args.min_step, "model": Path(model).name,
                                "strata": compare(runs["from_zero"], runs["checkpoints"]),
-                               "checkpoints": runs["checkpoints_checkpoints"]}
+                               "checkpoints": runs["checkpoints_checkpoints"],
+                               "prompt_graph_sizes": {k: runs[k + "_prompt_graphs"] for k in ("from_zero", "checkpoints")}}
         if args.profile:
             out["profile"] = runs["profile"]
         if args.decode:
