@@ -164,10 +164,9 @@ class Speculator:
         token this one gives: the step's rows leave no room for drafts, or each request is
         constrained by a grammar or in a pause after failed drafts. The engine may then launch
         that step before this one's tokens reach the host (its pipeline)."""
-        live = [r for r in reqs if r is not None]
-        if len(live) >= self.config.step_rows:
+        if self._full(reqs):
             return True
-        for req in live:
+        for req in (r for r in reqs if r is not None):
             state = self._lanes.get(req.id)
             if req.params.grammar is None and (state is None or state.pause == 0):
                 return False
@@ -176,12 +175,16 @@ class Speculator:
     def rested(self, reqs: Sequence[Request | None]) -> None:
         """A step of these requests went without drafting (`rests`): it counts off their pauses,
         as `draft` would have."""
-        if sum(r is not None for r in reqs) >= self.config.step_rows:
+        if self._full(reqs):
             return  # no room: `draft` would not have been asked either
         for req in reqs:
             state = None if req is None else self._lanes.get(req.id)
             if state is not None and state.pause > 0:
                 state.pause -= 1
+
+    def _full(self, reqs: Sequence[Request | None]) -> bool:
+        """Whether these requests' decode rows alone fill a step: no room for any draft."""
+        return sum(r is not None for r in reqs) >= self.config.step_rows
 
     def _priority(self, req: Request) -> int:
         state = self._lanes.get(req.id)
