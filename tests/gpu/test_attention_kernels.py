@@ -312,3 +312,40 @@ def test_a_drafted_run_reads_as_its_tokens_decoded_one_at_a_time(fmt: str) -> No
 
     assert torch.equal(run(drafted=True), alone)
     assert not torch.equal(run(drafted=False), alone)
+
+
+@pytest.mark.parametrize("count", [5, 4], ids=["exact", "control"])
+def test_a_prompt_graph_context_reads_its_tokens_as_a_prompt_piece(count: int) -> None:
+    """The context of a captured prompt step (`GpuTableAttention.for_prompt_graph`): 130 rows
+    (query blocks at 0, 64, 128) of which the first 5 are one lane's tokens at positions 70-74.
+    Those rows get the bits of the same piece read eagerly as prompt rows, the padding rows are
+    zeros, and the padding rows' K/V go to the trash chunk only. The control says 4 tokens: the
+    fifth row is not read."""
+    from strata.kernels.triton.prefill import BLOCK_M, PrefillBatch
+
+    n, start, rows = 5, 70, 130
+    pools = [KvPool(make_format("bf16", HKV, D), 1, 2, 256, CHUNK, None, DEV) for _ in range(2)]
+    gen = torch.Generator(device=DEV).manual_seed(11)
+    q, k, v = (torch.randn(start + rows, h, D, generator=gen, device=DEV).to(torch.bfloat16) for h in (HQ, HKV, HKV))
+    for p in pools:
+        assert p.reserve(1, start + n)
+        GpuTableAttention(p, [SeqSpec(1, 0, start, prompt=True)], D**-0.5).attend(0, q[:start], k[:start], v[:start])
+    eager = GpuTableAttention(pools[0], [SeqSpec(1, start, n, prompt=True)], D**-0.5).attend(
+        0, q[start : start + n], k[start : start + n], v[start : start + n])
+    p = pools[1]
+    trash = p.trash * p.chunk_size
+    cells = [int(p.tables[1, x // CHUNK]) * CHUNK + x % CHUNK for x in range(start, start + n)]
+    write = torch.tensor(cells + [trash] * (rows - n), device=DEV)
+    blocks = -(-rows // BLOCK_M)
+    one = lambda x: torch.tensor([x], device=DEV)  # noqa: E731
+    batch = PrefillBatch(torch.zeros(blocks, dtype=torch.int64, device=DEV),
+                         torch.arange(0, blocks * BLOCK_M, BLOCK_M, device=DEV), one(1), one(start), one(count),
+                         one(0))
+    before = {name: t.clone() for name, t in p.layers[0].items()}
+    got = GpuTableAttention.for_prompt_graph(p, write, batch, D**-0.5).attend(0, q[start:], k[start:], v[start:])
+    assert torch.equal(got[count:], torch.zeros_like(got[count:]))
+    assert torch.equal(got[:n], eager) == (count == n)
+    for name, t in p.layers[0].items():  # only the tokens' cells and the trash chunk changed
+        changed = (t != before[name]).reshape(t.shape[0], -1).any(1).nonzero().flatten().tolist()
+        assert set(changed) <= set(cells) | set(range(trash, trash + p.chunk_size)), name
+        assert set(cells) <= set(changed), name

@@ -146,6 +146,18 @@ def test_deltanet_gates(dtype: torch.dtype) -> None:
     assert not torch.allclose(g, torch_branch("deltanet_gates", b, a, a_log, dt_bias.flip(0))[1], rtol=4e-6, atol=0)
 
 
+@pytest.mark.parametrize("dtype", DTYPES, ids=["bf16", "fp16", "fp32"])
+def test_deltanet_gates_of_minus_infinity_are_exact_no_ops(dtype: torch.dtype) -> None:
+    """A captured prompt step masks its padding rows' b and a to -inf (`GatedDeltaNet.mix_padded`):
+    beta must be exactly 0 and the decay exp(g) exactly 1, so the row leaves the state alone."""
+    b = randn(3, 32, dtype=dtype, seed=41, scale=3.0)
+    a = randn(3, 32, dtype=dtype, seed=42, scale=3.0)
+    b[1], a[1] = float("-inf"), float("-inf")
+    beta, g = fused.deltanet_gates(b, a, randn(32, dtype=dtype, seed=43), randn(32, dtype=dtype, seed=44))
+    assert torch.equal(beta[1], torch.zeros_like(beta[1])) and torch.equal(g[1].exp(), torch.ones_like(g[1]))
+    assert (beta[[0, 2]] != 0).all() and (g[[0, 2]] < 0).all()  # the other rows are gates as ever
+
+
 def _batch(shape: str, dtype: torch.dtype, rows: slice) -> tuple:
     """Inputs of every kernel: `rows` of fixed tensors of 7 rows."""
     n, i, *_ = SHAPES[shape]
