@@ -218,6 +218,8 @@ def main(argv: list[str] | None = None) -> int:
                    help="also read fresh N-token prompts with checkpoints on and off (the reading cost)")
     p.add_argument("--long-cut", type=int, default=1024, help="named cut points every so many tokens of them")
     p.add_argument("--profile", action="store_true", help="add torch.profiler's table of one later turn")
+    p.add_argument("--prompt-graphs", action="store_true",
+                   help="both engines replay short one-lane prompt steps from CUDA graphs (--prompt-graphs)")
     p.add_argument("--decode", type=int, default=0, metavar="N",
                    help="also time N decode tokens of one lane after a 512-token prompt, stepping "
                         "eagerly and (on CUDA) through the decode graphs")
@@ -239,7 +241,8 @@ def main(argv: list[str] | None = None) -> int:
         for label, flags in (("from_zero", dict(prefix_reuse=False, ctx_checkpoints=0)),
                              ("checkpoints", dict(prompt_cache_min_step=args.min_step, prompt_cache=4))):
             cfg = EngineConfig(model=model, device=args.device, dtype=args.dtype, weights="dense", parallel=2,
-                               max_context=max_context, prefill_chunk=args.prefill_chunk, **flags)
+                               max_context=max_context, prefill_chunk=args.prefill_chunk,
+                               prompt_graphs=args.prompt_graphs, **flags)
             with Engine(cfg) as eng:
                 for system, steps in passes:  # the same lengths, other tokens: the last pass is timed
                     runs[label] = replay(engine_sender(eng), system, steps)

@@ -124,6 +124,10 @@ def test_mtp_is_off_unless_asked() -> None:
     assert not config_of("--spec", "4").mtp and config_of("--spec", "4", "--mtp").mtp
 
 
+def test_prompt_graphs_are_off_unless_asked() -> None:
+    assert not config_of().prompt_graphs and config_of("--prompt-graphs").prompt_graphs
+
+
 def test_bad_value_is_refused_by_main_before_any_load(capsys) -> None:
     with pytest.raises(SystemExit) as exit_info:
         main(["generate", "--kv", "q8_0", "hello"])

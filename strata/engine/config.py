@@ -49,6 +49,8 @@ class EngineConfig:
     prefix_reuse: bool = True  # reuse cached conversations' K/V (off: every prompt read from 0)
     pipeline: str = "auto"  # launch the next greedy decode step before post-processing this one:
     # auto (with CUDA-graph decode) | on | off
+    prompt_graphs: bool = False  # on CUDA, a recurrent model's short one-lane prompt steps replay
+    # CUDA graphs (engine/prompt_graphs.py); off until its GPU tests have run (docs/HYBRID.md)
     batch_invariant: str = "auto"  # CUDA products whose rows do not depend on the batch: on | off |
     # auto (on with --spec, whose drafted rows must round as the same tokens decoded alone; company
     # invariance among lanes costs 9-25% on the GPU, so it is asked for with `on`: docs/GPU.md)
@@ -285,6 +287,9 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--pipeline", default=d.pipeline, choices=["auto", "on", "off"],
                    help="greedy decode: launch the next step before post-processing this one, so "
                         "the host's work overlaps the device's (auto: with CUDA-graph decode)")
+    g.add_argument("--prompt-graphs", action="store_true", default=d.prompt_graphs,
+                   help="on CUDA, replay a recurrent model's short one-lane prompt steps (a later "
+                        "turn's message) from CUDA graphs (docs/HYBRID.md; not yet run on a GPU)")
     g.add_argument("--batch-invariant", default=d.batch_invariant, choices=["auto", "on", "off"],
                    help="on CUDA, compute every product so that a lane's output does not depend on "
                         "the other rows in its step (docs/GPU.md, 'Exactness on the GPU'); auto (the "

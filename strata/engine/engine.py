@@ -218,7 +218,7 @@ class Engine:
                                  graphs=graph_safe(self.loaded.model), states=self.states,
                                  windowed=any(mc.window(i) is not None for i in pool_layers),
                                  rows_per_lane=1 + max(config.spec, 0), keep_hidden=config.mtp,
-                                 hooks=self.expert_refill)
+                                 hooks=self.expert_refill, prompt_graphs=config.prompt_graphs)
             if self.device.type == "cpu":  # a step's time is its threads' work: the governor can judge
                 self.cpu_threads.govern()
         log.info("%s", self.cpu_threads.describe())

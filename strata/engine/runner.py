@@ -41,7 +41,7 @@ class Runner:
     def __init__(self, model: torch.nn.Module, pool: KvPool, scale: float, device: torch.device,
                  graphs: bool = True, states: StatePool | None = None, windowed: bool = False,
                  rows_per_lane: int = 1, keep_hidden: bool = False,
-                 hooks: StepHooks | None = None) -> None:
+                 hooks: StepHooks | None = None, prompt_graphs: bool = False) -> None:
         """states: a recurrent or windowed model's per-lane state (`kv/state.py`); a recurrent
         model's decode steps replay graphs too (its states gathered by device slots), a windowed
         one's run eagerly (its ring's bookkeeping reads the slots on the host).
@@ -49,7 +49,9 @@ class Runner:
         rows_per_lane: 1 + the most drafts a lane verifies in a step (graphs are sized for them).
         keep_hidden: keep an eager step's final hidden states, every row, in `hidden` (the MTP
         head reads them: engine/mtp.py).
-        hooks: told each step's real row count before and after it is launched (`StepHooks`)."""
+        hooks: told each step's real row count before and after it is launched (`StepHooks`).
+        prompt_graphs: with decode graphs and `states`, a lane's short prompt steps replay
+        graphs too (`--prompt-graphs`, engine/prompt_graphs.py)."""
         self.model = model
         self.states = states
         self.pool = pool
@@ -69,7 +71,7 @@ class Runner:
         # CUDA graphs of one lane's short prompt pieces, for a recurrent model: a later turn that
         # resumes from a checkpoint reads its new message in one replay (engine/prompt_graphs.py)
         self.prompt_graphs = None
-        if self.graphs is not None and states is not None:
+        if prompt_graphs and self.graphs is not None and states is not None:
             from strata.engine.prompt_graphs import PromptGraphs, prompt_sizes
 
             self.prompt_graphs = PromptGraphs(model, pool, scale, states, prompt_sizes(PROMPT_GRAPH_ROWS))

@@ -115,10 +115,8 @@ def _chat(folder: str, dtype: str, prompt_graphs: bool) -> tuple[list[list[int]]
     """A first turn, a later one that resumes from its checkpoint and reads a short message, and
     the same later turn again; the captured prompt-graph sizes; the engine's figures."""
     cfg = EngineConfig(model=folder, device="cuda", dtype=dtype, weights="dense", parallel=1,
-                       max_context=256, prefill_chunk=64)
+                       max_context=256, prefill_chunk=64, prompt_graphs=prompt_graphs)
     with Engine(cfg) as eng:
-        if not prompt_graphs:
-            eng.runner.prompt_graphs = None
         first = eng.complete(PROMPT, GREEDY).token_ids
         later_prompt = PROMPT + first + [13, 90, 91, 92, 5, 6, 200, 201, 44]
         later = eng.complete(later_prompt, GREEDY).token_ids
@@ -141,7 +139,7 @@ def test_a_prompt_graph_that_does_not_capture_leaves_its_steps_eager(folder: str
     graphs stay and the answers are an engine's without prompt graphs."""
     eager, _, _ = _chat(folder, "float32", prompt_graphs=False)
     cfg = EngineConfig(model=folder, device="cuda", dtype="float32", weights="dense", parallel=1,
-                       max_context=256, prefill_chunk=64)
+                       max_context=256, prefill_chunk=64, prompt_graphs=True)
     with Engine(cfg) as eng:
         graphs = eng.runner.prompt_graphs
         assert graphs is not None
