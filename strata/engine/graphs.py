@@ -238,8 +238,10 @@ class DecodeGraphs:
 
 
 def staging(rows: int, size: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-    """A step's metadata buffer: [rows, size] int64 in pinned host memory, and its device copy."""
-    return (torch.zeros((rows, size), dtype=torch.int64).pin_memory(),
+    """A step's metadata buffer: [rows, size] int64 in host memory (pinned for a CUDA device),
+    and its device copy."""
+    host = torch.zeros((rows, size), dtype=torch.int64)
+    return (host.pin_memory() if device.type == "cuda" else host,
             torch.zeros((rows, size), dtype=torch.int64, device=device))
 
 

@@ -49,7 +49,7 @@ class _Entry:
     size: int
     host: torch.Tensor  # [META_ROWS, size] int64, pinned
     meta: torch.Tensor  # the same on the device, read by the graph
-    copied: torch.cuda.Event
+    copied: torch.cuda.Event | None  # after the last copy out of `host` (None: not CUDA)
     graph: torch.cuda.CUDAGraph | None = None
     logits: torch.Tensor | None = None  # [1, vocab] float32: the last token's
     layout: object | None = None  # the capture's own varlen layout (`PadRows.layout`), kept with it
@@ -75,7 +75,8 @@ class PromptGraphs:
         self.scale = scale
         self.states = states
         self.sizes = sorted(sizes)
-        self._entries: dict[int, _Entry] = {}
+        self._entries: dict[int, _Entry] = {}  # captured
+        self._uncaptured: dict[int, _Entry] = {}  # `eager`'s where no graph was captured
 
     def supports(self, seqs: list[SeqSpec], sample: list[int]) -> bool:
         """One lane's prompt piece of at most the largest size that continues its state (not at
@@ -108,19 +109,29 @@ class PromptGraphs:
         self._fill(e, seq, tokens)
         assert e.graph is not None and e.logits is not None
         e.graph.replay()
-        if seq.cuts:
-            self.states.cut_states = {seq.lane: {seq.n - 1: {
-                layer: {name: t.clone() for name, t in named.items()} for layer, named in e.kept.items()}}}
+        self._hand_over(seq, e.kept)
         return e.logits if sample else e.logits[:0]
 
     @torch.inference_mode()
     def eager(self, seq: SeqSpec, tokens: list[int]) -> torch.Tensor:
-        """The same padded step without the graph (what a replay must reproduce bit for bit)."""
-        e = self._entry(self.size_for(seq.n))
+        """The same padded step without the graph (what a replay must reproduce bit for bit); on
+        any device, the CPU included (Triton's interpreter runs the attention there)."""
+        size = self.size_for(seq.n)
+        e = self._entries.get(size) or self._uncaptured.setdefault(size, self._staged(size))
         self._fill(e, seq, tokens)
-        return self._step(e, None, {}).clone()
+        kept: dict = {}
+        logits = self._step(e, None, kept).clone()
+        self._hand_over(seq, kept)
+        return logits
 
     # ---- internals -----------------------------------------------------------------
+    def _hand_over(self, seq: SeqSpec, kept: dict) -> None:
+        """With the cut before the last token, the states there (copies: a graph's buffers are
+        overwritten by its next replay) become the pool's cut states, as an eager step's do."""
+        if seq.cuts:
+            self.states.cut_states = {seq.lane: {seq.n - 1: {
+                layer: {name: t.clone() for name, t in named.items()} for layer, named in kept.items()}}}
+
     def _step(self, e: _Entry, layout: object | None, kept: dict) -> torch.Tensor:
         """The padded step; the recurrent layers put their states before the last token in `kept`."""
         m, meta = self.model, e.meta
@@ -142,7 +153,8 @@ class PromptGraphs:
 
     def _fill(self, e: _Entry, seq: SeqSpec, tokens: list[int]) -> None:
         """Stage the step's rows in the pinned buffer and start its one copy to the device."""
-        e.copied.synchronize()  # the previous copy out of the staging buffer is done
+        if e.copied is not None:
+            e.copied.synchronize()  # the previous copy out of the staging buffer is done
         h = e.host.numpy()
         self._pad(h)
         n, chunk = seq.n, self.pool.chunk_size
@@ -155,7 +167,8 @@ class PromptGraphs:
         self.states.kept_runs = {}  # as an eager step lets the last step's runs and cuts go
         self.states.cut_states = {}
         e.meta.copy_(e.host, non_blocking=True)
-        e.copied.record()
+        if e.copied is not None:
+            e.copied.record()
 
     def _pad(self, h: np.ndarray) -> None:
         """Every row padding: token 0 at position 0 writing into the trash chunk, and a sequence
@@ -169,14 +182,21 @@ class PromptGraphs:
             self._entries[size] = self._capture(size)
         return self._entries[size]
 
+    def _staged(self, size: int) -> _Entry:
+        """The buffers of a step of `size` rows, every row padding."""
+        dev = self.pool.device
+        host, meta = staging(META_ROWS, size, dev)
+        e = _Entry(size, host, meta, torch.cuda.Event() if dev.type == "cuda" else None)
+        self._pad(host.numpy())
+        meta.copy_(host)
+        if e.copied is not None:
+            e.copied.record()
+        return e
+
     def _capture(self, size: int) -> _Entry:
         """The graph of `size` rows, captured on padding only (CaptureFailed if it cannot be)."""
         dev = self.pool.device
-        host, meta = staging(META_ROWS, size, dev)
-        e = _Entry(size, host, meta, torch.cuda.Event())
-        e.copied.record()
-        self._pad(host.numpy())
-        meta.copy_(host)
+        e = self._staged(size)
         from strata.models.deltanet_fla import build_layout
 
         e.layout = build_layout(((0, size),), dev)  # never seen by an eager step (`PadRows.layout`)

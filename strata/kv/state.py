@@ -101,7 +101,7 @@ class StateContext(Protocol):
     runs: list[bool]
     # cuts[i]: the rows of sequence i after which its state goes to `keep_cut` (0 < c < n)
     cuts: list[tuple[int, ...]]
-    # a captured prompt step's padding (`PadRows`): its one sequence's rows past `pad.n` are
+    # a captured prompt step's padding (`PadRows`): its one sequence's rows from its last token on
     # padding, which a layer must leave out of the state; None in every other step
     pad: PadRows | None
 
@@ -318,8 +318,8 @@ def decode_states(pool: StatePool, slots: torch.Tensor) -> SlotStates:
 
 
 def prompt_states(pool: StatePool, slot: torch.Tensor, pad: PadRows) -> SlotStates:
-    """The StateContext of a captured prompt step (engine/prompt_graphs.py): one sequence, the
-    lane's slot in `slot` [1] (int64 on the device), its rows past `pad.n` padding. The lane
-    continues its state (it does not start at position 0) and verifies no drafts."""
-    rows = int(pad.real.shape[0])
+    """The StateContext of a captured prompt step (engine/prompt_graphs.py): one sequence of
+    `pad`'s rows, the lane's slot in `slot` [1] (int64 on the device). The lane continues its
+    state (it does not start at position 0) and verifies no drafts."""
+    rows = int(pad.head.shape[0])
     return SlotStates(pool, slot, [(0, rows)], [False], [()], pad)
