@@ -117,7 +117,9 @@ class PromptGraphs:
         """The same padded step without the graph (what a replay must reproduce bit for bit); on
         any device, the CPU included (Triton's interpreter runs the attention there)."""
         size = self.size_for(seq.n)
-        e = self._entries.get(size) or self._uncaptured.setdefault(size, self._staged(size))
+        if size not in self._entries and size not in self._uncaptured:
+            self._uncaptured[size] = self._staged(size)
+        e = self._entries.get(size) or self._uncaptured[size]
         self._fill(e, seq, tokens)
         kept: dict = {}
         logits = self._step(e, None, kept).clone()
