@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 import torch
 
@@ -14,6 +14,10 @@ from strata.kv.pool import KvPool
 from strata.kv.state import StatePool
 from strata.kv.step import SeqSpec, sampled_rows, step_positions
 from strata.uploads import upload
+
+if TYPE_CHECKING:  # the annotations of `_captures`
+    from strata.engine.graphs import DecodeGraphs
+    from strata.engine.prompt_graphs import PromptGraphs
 
 log = logging.getLogger(__name__)
 PROMPT_GRAPH_ROWS = 256  # the longest prompt piece a captured prompt step takes (prompt_graphs.SIZES)
@@ -110,27 +114,19 @@ class Runner:
         """Whether the decode graph of `lanes` lanes exists or captures now. A capture that fails
         turns this runner's graphs off, with one warning, and its steps run eagerly."""
         assert self.graphs is not None
-        try:
-            self.graphs.prepare(lanes)
+        if _captures(self.graphs, lanes, "decode steps", "lanes"):
             return True
-        except CaptureFailed as e:
-            log.warning("decode steps run eagerly from now on: a CUDA graph of %d lanes did not capture (%s)",
-                        lanes, e)
-            self.graphs = None
-            return False
+        self.graphs = None
+        return False
 
     def _prompt_graphs_ready(self, rows: int) -> bool:
         """`_graphs_ready` for the prompt graph of `rows` rows: a failed capture turns the prompt
         graphs off (one warning); the decode graphs stay."""
         assert self.prompt_graphs is not None
-        try:
-            self.prompt_graphs.prepare(rows)
+        if _captures(self.prompt_graphs, rows, "short prompt steps", "rows"):
             return True
-        except CaptureFailed as e:
-            log.warning("short prompt steps run eagerly from now on: a CUDA graph of %d rows did not "
-                        "capture (%s)", rows, e)
-            self.prompt_graphs = None
-            return False
+        self.prompt_graphs = None
+        return False
 
     def _told(self, rows: int, launch: Callable[[], torch.Tensor]) -> torch.Tensor:
         """launch() with the hooks told of its `rows` real rows before and after."""
@@ -170,3 +166,13 @@ class Runner:
         if not rows:
             return torch.empty(0, device=self.device)
         return self.model.compute_logits(hidden[upload(rows, self.device)])
+
+
+def _captures(graphs: DecodeGraphs | PromptGraphs, size: int, steps: str, unit: str) -> bool:
+    """graphs.prepare(size), or False with one warning that such steps run eagerly from now on."""
+    try:
+        graphs.prepare(size)
+        return True
+    except CaptureFailed as e:
+        log.warning("%s run eagerly from now on: a CUDA graph of %d %s did not capture (%s)", steps, size, unit, e)
+        return False
