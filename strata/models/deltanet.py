@@ -33,12 +33,12 @@ from strata.kv.state import PadRows, RunStates, StateContext, StateShapes
 from strata.models import ops
 from strata.models.base import ModelConfig
 from strata.models.deltanet_fla import (
+    VarlenLayout,
     backend_for,
     fla_conv,
     fla_delta_rule,
     fla_kernels,
     varlen_layout,
-    VarlenLayout,
 )
 from strata.models.dense import Linear
 from strata.uploads import upload
