@@ -150,7 +150,7 @@ def test_a_prompt_graph_that_does_not_capture_leaves_its_steps_eager(folder: str
         graphs = eng.runner.prompt_graphs
         assert graphs is not None
 
-        def broken(entry: object, layout: object = None) -> None:
+        def broken(*args: object) -> None:
             raise RuntimeError("operation not permitted when stream is capturing")
 
         graphs._step = broken  # type: ignore[method-assign]
