@@ -3,7 +3,8 @@ bf16, on CUDA or on the CPU under Triton's interpreter (STRATA_TRITON_INTERPRET=
 the lane's DeltaNet state, the state at the cut before the last token and the tokens' K/V are
 those of the eager step that reads the same tokens with that cut, to float32 rounding on the CPU
 (the products there do not depend on the row count, but torch's vectorised exp and softplus
-take a row count's tail with scalar code, which moves the gates' last bits) and to bf16
+take a tensor's tail with scalar code, which moves the gates' last bits at this model's 4 value
+heads) and to bf16
 rounding on CUDA. The control leaves the padding rows' gates unmasked: the state moves."""
 
 from __future__ import annotations
