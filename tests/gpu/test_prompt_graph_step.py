@@ -106,3 +106,59 @@ def test_the_padded_step_is_the_cut_step(model: torch.nn.Module, unmasked: bool,
         start += n
     if unmasked:
         assert not any(same)  # 5 tokens in 8 rows, then 16 and 1 from the state that moved
+
+
+class _Replayed:
+    """A stand-in for a captured graph on the CPU: a replay runs the step again into the same
+    output tensor, as a CUDA graph refills its buffers."""
+
+    def __init__(self, step, out: torch.Tensor) -> None:
+        self.step, self.out = step, out
+
+    def replay(self) -> None:
+        self.out.copy_(self.step())
+
+
+def test_a_runner_routes_a_lane_s_short_prompt_pieces_to_its_prompt_graphs(model: torch.nn.Module,
+                                                                           monkeypatch) -> None:
+    """Runner.forward with prompt graphs (their capture stood in for on the CPU): the lane's
+    prompt pieces after its first take them, with the state at the cut before their last token
+    handed over as an eager step's; a piece of two lanes, a piece from position 0 and a decode
+    row stay eager. The answers agree with a runner without prompt graphs."""
+    from strata.engine import prompt_graphs
+    from strata.engine.runner import Runner
+
+    if DEV == "cpu":
+        monkeypatch.setattr(prompt_graphs, "capture",
+                            lambda warm, step, device: (lambda out: (_Replayed(step, out), out))(step()))
+    scale = model.config.attn_scale
+    runs = {}
+    for graphed in (False, True):
+        pool, states = _parts(model)
+        runner = Runner(model, pool, scale, torch.device(DEV), graphs=False, states=states)
+        runner.context = GpuTableAttention  # the eager steps on the kernels the graph runs
+        if graphed:
+            runner.prompt_graphs = PromptGraphs(model, pool, scale, states, [8, 16])
+        g = torch.Generator().manual_seed(4)
+        tokens = {lane: torch.randint(1, model.config.vocab_size, (40,), generator=g).tolist() for lane in (0, 1)}
+        for lane in (0, 1):
+            assert pool.reserve(lane, 40)
+        steps = [[SeqSpec(0, 0, 20, prompt=True)], [SeqSpec(0, 20, 7, prompt=True, cuts=(6,))],
+                 [SeqSpec(1, 0, 5, prompt=True), SeqSpec(0, 27, 3, prompt=True)],
+                 [SeqSpec(0, 30, 1)], [SeqSpec(0, 31, 9, prompt=True, cuts=(8,))]]
+        out = []
+        for seqs in steps:
+            toks = [t for s in seqs for t in tokens[s.lane][s.start : s.end]]
+            logits = runner.forward(seqs, toks, [1] * len(seqs))
+            out.append((logits.clone(), states.take_cuts()))
+        runs[graphed] = out, [] if runner.prompt_graphs is None else runner.prompt_graphs.captured()
+    (eager, _), (graphed, sizes) = runs[False], runs[True]
+    assert sizes == [8, 16]  # the 7- and 9-token pieces; the others stayed eager
+    for (a, cuts_a), (b, cuts_b) in zip(eager, graphed):
+        assert _same(a, b)
+        assert {lane: sorted(at) for lane, at in cuts_a.items()} == {lane: sorted(at) for lane, at in cuts_b.items()}
+        for lane, at in cuts_a.items():
+            for rows, layers in at.items():
+                for layer, named in layers.items():
+                    assert all(_same(cuts_b[lane][rows][layer][k], t) for k, t in named.items())
+    assert eager[1][1] and eager[4][1]  # the two cut pieces handed states over
