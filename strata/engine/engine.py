@@ -221,6 +221,9 @@ class Engine:
                                  hooks=self.expert_refill, prompt_graphs=config.prompt_graphs)
             if self.device.type == "cpu":  # a step's time is its threads' work: the governor can judge
                 self.cpu_threads.govern()
+        if config.prompt_graphs and getattr(self.runner, "prompt_graphs", None) is None:
+            log.warning("--prompt-graphs has no effect here: it takes a recurrent model (Qwen3-Next) on one "
+                        "CUDA device with decode graphs (not with --mtp, --kv-resident or a layer split)")
         log.info("%s", self.cpu_threads.describe())
         log.info("%s", describe_pool(config.parallel, self.pool.num_chunks, chunk, self.pool.total_bytes(),
                                      fmt.name, self.pool.shared))

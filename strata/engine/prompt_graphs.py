@@ -56,18 +56,13 @@ class _Entry:
     kept: dict = field(default_factory=dict)  # layer -> name -> the graph's state before the last token
 
 
-def prompt_sizes(most: int) -> list[int]:
-    """The captured sizes up to `most` rows (at least one)."""
-    return [s for s in SIZES if s <= most] or [SIZES[0]]
-
-
 class PromptGraphs:
     """One lane's prompt steps of a recurrent `model` over `pool` and `states` through CUDA
     graphs of `sizes` rows. The state pool needs its trash slot (warm-up and capture run on
     padding only, so nothing a lane owns is written)."""
 
     def __init__(self, model: torch.nn.Module, pool: KvPool, scale: float, states: StatePool,
-                 sizes: list[int]) -> None:
+                 sizes: tuple[int, ...] | list[int] = SIZES) -> None:
         if states.trash is None:
             raise ValueError("a captured prompt step's warm-up needs the state pool's trash slot")
         self.model = model

@@ -20,7 +20,6 @@ if TYPE_CHECKING:  # the annotations of `_captures`
     from strata.engine.prompt_graphs import PromptGraphs
 
 log = logging.getLogger(__name__)
-PROMPT_GRAPH_ROWS = 256  # the longest prompt piece a captured prompt step takes (prompt_graphs.SIZES)
 
 
 class StepHooks(Protocol):
@@ -76,9 +75,9 @@ class Runner:
         # resumes from a checkpoint reads its new message in one replay (engine/prompt_graphs.py)
         self.prompt_graphs = None
         if prompt_graphs and self.graphs is not None and states is not None:
-            from strata.engine.prompt_graphs import PromptGraphs, prompt_sizes
+            from strata.engine.prompt_graphs import PromptGraphs
 
-            self.prompt_graphs = PromptGraphs(model, pool, scale, states, prompt_sizes(PROMPT_GRAPH_ROWS))
+            self.prompt_graphs = PromptGraphs(model, pool, scale, states)
 
     def describe_stages(self) -> list[dict]:
         """One stage: the whole model on one device (a split's runner lists each of its stages)."""

@@ -449,8 +449,8 @@ class GatedDeltaNet(nn.Module):
             fla = backend_for(x.device, x.dtype) == "fla"
             if states.pad is not None:
                 one = self.mix_spans_fla if fla else self.mix_spans_torch
-                rows = functools.partial(one, layout=states.pad.layout) if fla else one
-                out, conv, ssm = self.mix_padded(rows, one, mixed, b, a, before["conv"], before["ssm"], states.pad)
+                many = functools.partial(one, layout=states.pad.layout) if fla else one
+                out, conv, ssm = self.mix_padded(many, one, mixed, b, a, before["conv"], before["ssm"], states.pad)
             elif any(states.cuts):
                 cut = self.mix_cut_fla if fla else functools.partial(self.mix_cut, self.mix_spans_torch)
                 out, conv, ssm = cut(mixed, b, a, before["conv"], before["ssm"], states)

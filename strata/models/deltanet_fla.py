@@ -36,6 +36,8 @@ from typing import Callable
 import torch
 import torch.nn.functional as F
 
+from strata.uploads import upload
+
 log = logging.getLogger(__name__)
 CONV_CHUNK = 64  # rows a program of FLA's causal_conv1d takes (its default chunk_size)
 RULE_CHUNK = 64  # rows of a block of FLA's chunked delta rule (passed as its chunk_size)
@@ -157,33 +159,31 @@ def build_layout(spans: tuple[tuple[int, int], ...], device: torch.device) -> Va
             raise ValueError(f"spans must cover the step's rows in order, got {list(spans)}")
         num_rows += n
 
-    def on_device(values: list) -> torch.Tensor:
-        return torch.tensor(values, dtype=torch.int64).to(device, non_blocking=True)
-
     lengths = torch.tensor([n for _, n in spans], dtype=torch.int64)
     cu_all_cpu = F.pad(lengths.cumsum(0), (1, 0))
     single = [i for i, (_, n) in enumerate(spans) if n == 1]
     multi = [i for i, (_, n) in enumerate(spans) if n > 1]
     single_t = single_rows = multi_t = multi_rows = cu_multi = cu_multi_cpu = multi_chunks = None
     if single:
-        single_t = on_device(single)
-        single_rows = on_device([spans[i][0] for i in single])
+        single_t = upload(single, device)
+        single_rows = upload([spans[i][0] for i in single], device)
     if multi:
-        multi_t = on_device(multi)
+        multi_t = upload(multi, device)
         if single:
-            multi_rows = on_device([r for i in multi for r in range(spans[i][0], spans[i][0] + spans[i][1])])
+            multi_rows = upload([r for i in multi for r in range(spans[i][0], spans[i][0] + spans[i][1])], device)
         cu_multi_cpu = F.pad(lengths[multi].cumsum(0), (1, 0))
         cu_multi = cu_multi_cpu.to(device, non_blocking=True)
-        multi_chunks = on_device(_block_pairs([spans[i][1] for i in multi], RULE_CHUNK)).view(-1, 2)
-    chunks = on_device(_block_pairs([n for _, n in spans], CONV_CHUNK)).view(-1, 2)
+        multi_chunks = upload(_block_pairs([spans[i][1] for i in multi], RULE_CHUNK), device).view(-1, 2)
+    chunks = upload(_block_pairs([n for _, n in spans], CONV_CHUNK), device).view(-1, 2)
     return VarlenLayout(num_rows, single_t, single_rows, multi_t, multi_rows,
                         cu_all_cpu.to(device, non_blocking=True), cu_all_cpu, cu_multi, cu_multi_cpu, chunks,
                         multi_chunks)
 
 
-def _block_pairs(lengths: list[int], block: int) -> list[list[int]]:
-    """(sequence, block) for every block of `block` rows of each sequence: FLA's chunk_indices."""
-    return [[i, c] for i, n in enumerate(lengths) for c in range(-(-n // block))]
+def _block_pairs(lengths: list[int], block: int) -> list[int]:
+    """(sequence, block) for every block of `block` rows of each sequence, flat: FLA's
+    chunk_indices once viewed as pairs."""
+    return [v for i, n in enumerate(lengths) for c in range(-(-n // block)) for v in (i, c)]
 
 
 def fla_conv(kernels: FlaKernels, mixed: torch.Tensor, weight: torch.Tensor, tails: torch.Tensor,

@@ -20,11 +20,11 @@ from torch import nn
 
 from strata.attention.base import AttentionContext
 from strata.kv.state import StateContext, StateShapes
+from strata.models import ops
 from strata.models.architecture import Architecture
 from strata.models.base import ModelConfig
 from strata.models.deltanet import GatedDeltaNet
 from strata.models.dense import MLP, Linear
-from strata.models import ops
 from strata.models.layers import DecoderModel, RMSNorm
 from strata.models.moe import SparseMLP
 from strata.models.mtp import MtpHead

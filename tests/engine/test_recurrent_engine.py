@@ -19,7 +19,7 @@ from strata.engine.config import EngineConfig
 from strata.engine.engine import Engine
 from strata.engine.types import SamplingParams
 from strata.errors import SessionFileError
-from tests.models.tiny_models import save_byte_tokenizer, save_tiny
+from tests.models.tiny_models import PROMPT, save_byte_tokenizer, save_tiny
 
 GREEDY = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True)
 SYSTEM = [1, 40, 41, 42, 43, 44, 45, 46, 47, 48, 49, 50, 51, 52, 53, 54, 55, 56, 57, 58]
@@ -276,3 +276,15 @@ def test_the_pool_holds_only_the_layers_that_attend_over_it(folder: str) -> None
                        for named in states.layers.values() for t in named.values())
             assert states.total_bytes() == 3 * 8 * 5 * cell == 30720
             assert states.bytes_per_lane() == 8 * 5 * cell == 10240
+
+
+def test_prompt_graphs_asked_for_where_they_cannot_run_say_so(folder: str, caplog) -> None:
+    """--prompt-graphs on the CPU (no CUDA graphs) is not silently dropped: one warning names
+    what it takes, and the engine serves as without it."""
+    import logging
+
+    with caplog.at_level(logging.WARNING, logger="strata.engine"):
+        with _engine(folder, prompt_graphs=True) as eng:
+            assert eng.runner.prompt_graphs is None
+            assert len(eng.complete(PROMPT, GREEDY).token_ids) == GREEDY.max_tokens
+    assert caplog.text.count("--prompt-graphs has no effect here") == 1
