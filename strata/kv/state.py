@@ -35,11 +35,14 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 import torch
 
 from strata.uploads import upload
+
+if TYPE_CHECKING:  # a type only: the pool does not depend on the model's kernels
+    from strata.models.deltanet_fla import VarlenLayout
 
 StateShapes = dict[str, tuple[int, ...]]  # state name -> per-lane shape
 StateDtypes = dict[str, torch.dtype]  # state name -> dtype, where it is not float32
@@ -83,7 +86,7 @@ class PadRows:
     # the B rows' varlen layout for FLA's kernels (`deltanet_fla.VarlenLayout`), built for the
     # capture alone: FLA caches index tensors it derives by the identity of the layout's, so
     # a layout an eager step also used could hand the graph a tensor that cache later frees
-    layout: object | None = None
+    layout: VarlenLayout | None = None
     kept: dict[int, dict[str, torch.Tensor]] = field(default_factory=dict)
 
 
