@@ -9,16 +9,18 @@ Quantized tiles are made for the dot products, not for their reader:
 - int8 tiles are the codes themselves (exact in bf16, fp16 and fp32) plus a
   float32 scale per row, which the kernel applies to whole rows of scores
   (K) or probabilities (V) instead of to every element;
-- the prompt kernel's Q4_0 tiles (`load_tile`) are [N, D] in natural order,
+- the prompt kernel's Q4_0 K tiles (`load_tile`) are [N, D] in natural order,
   each byte loaded twice: its large dots do not compile from tiles whose
   nibbles sit side by side (Triton 3.6, sm_90). Values are `(code - 8) * d`
   in float32, rounded once to the compute dtype, as `strata.kv.quant` does;
-- the decode kernel reads Q4_0 as two half tiles (`q4_halves`: the low
-  nibbles, then the high ones, each [N, D/2] in `half_dims` order), which
-  need no join across threads and no integer-to-float conversion. V's
-  tiles hold the codes alone and each block's d scales the probabilities
-  (`block_scales`, `select_blocks`), except in fp16 compute, where p x d
-  could underflow and the tiles are scaled.
+- both kernels read a Q4_0 V (and the decode kernel a Q4_0 K) as two half
+  tiles (`q4_halves`: the low nibbles, then the high ones, each [N, D/2] in
+  `half_dims` order), which need no join across threads and no
+  integer-to-float conversion, and load each byte and each block's d once.
+  The decode kernel's V tiles hold the codes alone and each block's d
+  scales the probabilities (`block_scales`, `select_blocks`), except in fp16
+  compute, where p x d could underflow and the tiles are scaled; the prompt
+  kernel's are scaled (`(code - 8) * d`, as above).
 """
 
 from __future__ import annotations
@@ -189,6 +191,18 @@ def accumulate(acc, alpha, p, v, v_scale, V_KIND: tl.constexpr, FOLD_V: tl.const
 
 
 @triton.jit
+def accumulate_halves(acc_lo, acc_hi, alpha, pv, v_lo, v_hi, IEEE: tl.constexpr):
+    """(acc_lo, acc_hi) * alpha + pv @ (v_lo, v_hi): `accumulate` over Q4_0 half tiles."""
+    if IEEE:
+        acc_lo = acc_lo * alpha[:, None] + tl.dot(pv, v_lo, input_precision="ieee")
+        acc_hi = acc_hi * alpha[:, None] + tl.dot(pv, v_hi, input_precision="ieee")
+    else:
+        acc_lo = acc_lo * alpha[:, None] + tl.dot(pv, v_lo)
+        acc_hi = acc_hi * alpha[:, None] + tl.dot(pv, v_hi)
+    return acc_lo, acc_hi
+
+
+@triton.jit
 def _signs(rows, BLOCK_D: tl.constexpr):
     """H[rows, :] (+-1, bf16-exact) as float32: (-1) ** popcount(i & j)."""
     cols = tl.arange(0, BLOCK_D)
@@ -204,7 +218,14 @@ def _signs(rows, BLOCK_D: tl.constexpr):
 @triton.jit
 def hadamard_halves(o_lo, o_hi, rows_lo, rows_hi, BLOCK_D: tl.constexpr, SCALE: tl.constexpr,
                     IEEE: tl.constexpr):
-    """`hadamard_columns` of an output held as two half tiles, one accumulator for both."""
+    """o @ H * SCALE for an output o [M, BLOCK_D] float32 held as two half tiles (columns
+    `rows_lo`, `rows_hi` of o): k8v4's rotation of the output back.
+
+    SCALE is 1 / sqrt(D). H's entries are +-1, (-1) ** popcount(i & j), exact in
+    bf16, so the product runs on the tensor cores with each half split into a bf16
+    head and tail (about 16 bits of mantissa, far below the bf16 or fp16 output's
+    rounding), one accumulator for both halves; float32 compute takes IEEE products.
+    """
     if IEEE:
         r = tl.dot(o_lo, _signs(rows_lo, BLOCK_D), input_precision="ieee")
         r = tl.dot(o_hi, _signs(rows_hi, BLOCK_D), r, input_precision="ieee")
@@ -217,24 +238,4 @@ def hadamard_halves(o_lo, o_hi, rows_lo, rows_hi, BLOCK_D: tl.constexpr, SCALE: 
         head = o_hi.to(tl.bfloat16)
         r = tl.dot(head, h, r)
         r = tl.dot((o_hi - head.to(tl.float32)).to(tl.bfloat16), h, r)
-    return r * SCALE
-
-
-@triton.jit
-def hadamard_columns(o, BLOCK_D: tl.constexpr, SCALE: tl.constexpr, IEEE: tl.constexpr):
-    """o @ H * SCALE for o [M, BLOCK_D] float32: k8v4's rotation of the output back.
-
-    SCALE is 1 / sqrt(D). H's entries are +-1, (-1) ** popcount(i & j),
-    exact in bf16, so the product runs on the tensor cores with `o` split into
-    a bf16 head and tail (about 16 bits of mantissa, far below the bf16 or
-    fp16 output's rounding); float32 compute takes IEEE products instead.
-    """
-    h = _signs(tl.arange(0, BLOCK_D), BLOCK_D)
-    if IEEE:
-        r = tl.dot(o, h, input_precision="ieee")
-    else:
-        hb = h.to(tl.bfloat16)
-        head = o.to(tl.bfloat16)
-        tail = (o - head.to(tl.float32)).to(tl.bfloat16)
-        r = tl.dot(head, hb) + tl.dot(tail, hb)
     return r * SCALE

@@ -29,6 +29,7 @@ import triton.language as tl
 
 from strata.kernels.triton.cells import (
     accumulate,
+    accumulate_halves,
     block_scales,
     cells_of,
     hadamard_halves,
@@ -173,12 +174,7 @@ def _decode_kernel(
             if EXPAND:
                 p = p * v_d
             pv = p.to(v_lo.dtype)
-            if IEEE:
-                acc = acc * alpha[:, None] + tl.dot(pv, v_lo, input_precision="ieee")
-                acc_hi = acc_hi * alpha[:, None] + tl.dot(pv, v_hi, input_precision="ieee")
-            else:
-                acc = acc * alpha[:, None] + tl.dot(pv, v_lo)
-                acc_hi = acc_hi * alpha[:, None] + tl.dot(pv, v_hi)
+            acc, acc_hi = accumulate_halves(acc, acc_hi, alpha, pv, v_lo, v_hi, IEEE)
             if V_BIAS != 0:
                 bias = tl.sum(pv.to(tl.float32), 1)[:, None] * V_BIAS
                 acc = acc - bias

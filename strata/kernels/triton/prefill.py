@@ -16,13 +16,16 @@ import triton.language as tl
 
 from strata.kernels.triton.cells import (
     accumulate,
+    accumulate_halves,
     cells_of,
-    hadamard_columns,
+    hadamard_halves,
+    half_dims,
     load_tile,
+    q4_halves,
     scores,
 )
 from strata.kernels.triton.decode import LOG2E
-from strata.kernels.triton.half import Half
+from strata.kernels.triton.half import Q4_0, Half
 
 BLOCK_M = 64
 BLOCK_N = 64
@@ -38,6 +41,11 @@ def _prefill_kernel(
     BLOCK_D: tl.constexpr, CHUNK: tl.constexpr, K_KIND: tl.constexpr, V_KIND: tl.constexpr,
     IEEE: tl.constexpr, FOLD_V: tl.constexpr, ROTATE: tl.constexpr, ROT_SCALE: tl.constexpr,
 ):
+    # A Q4_0 V (q4_0, k8v4) comes as low and high half tiles (`q4_halves`, scaled): each byte
+    # and each block's d loaded once, where a natural-order tile loads every byte twice and d
+    # once an element; the output is two halves, in `half_dims` order (k8v4 folds that order
+    # into its rotation's rows).
+    V_HALF: tl.constexpr = V_KIND == 2
     blk = tl.program_id(0)
     head = tl.program_id(1)
     kvh = head // G
@@ -63,7 +71,11 @@ def _prefill_kernel(
 
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
-    acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+    if V_HALF:
+        acc = tl.zeros([BLOCK_M, BLOCK_D // 2], tl.float32)
+        acc_hi = tl.zeros([BLOCK_M, BLOCK_D // 2], tl.float32)
+    else:
+        acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
     for kstart in range(0, hi, BLOCK_N):
         kpos = kstart + offs_n
         nmask = kpos < hi
@@ -76,16 +88,33 @@ def _prefill_kernel(
         alpha = tl.exp2(m_i - m_new)
         p = tl.exp2(sc - m_new[:, None])
         l_i = l_i * alpha + tl.sum(p, 1)
-        v, v_scale = load_tile(v_data, v_aux, cells, kvh, nmask, v_sc, v_sh, v_ac, v_ah,
-                               V_KIND, HEAD_DIM, BLOCK_D, cdt, not FOLD_V)
-        acc = accumulate(acc, alpha, p, v, v_scale, V_KIND, FOLD_V, IEEE)
+        if V_HALF:
+            v_lo, v_hi = q4_halves(v_data, v_aux, cells, kvh, nmask, v_sc, v_sh, v_ac, v_ah,
+                                   HEAD_DIM, BLOCK_D, cdt, True, False, False)
+            acc, acc_hi = accumulate_halves(acc, acc_hi, alpha, p.to(cdt), v_lo, v_hi, IEEE)
+        else:
+            v, v_scale = load_tile(v_data, v_aux, cells, kvh, nmask, v_sc, v_sh, v_ac, v_ah,
+                                   V_KIND, HEAD_DIM, BLOCK_D, cdt, not FOLD_V)
+            acc = accumulate(acc, alpha, p, v, v_scale, V_KIND, FOLD_V, IEEE)
         m_i = m_new
 
-    o = acc / l_i[:, None]
-    if ROTATE:  # k8v4: V was stored rotated
-        o = hadamard_columns(o, BLOCK_D, ROT_SCALE, IEEE)
-    tl.store(out + rows[:, None] * so_t + head * so_h + offs_d[None, :],
-             o.to(out.dtype.element_ty), mask=mmask[:, None] & (offs_d < HEAD_DIM)[None, :])
+    o_rows = out + rows[:, None] * so_t + head * so_h
+    dt = out.dtype.element_ty
+    if V_HALF:
+        offs_h = tl.arange(0, BLOCK_D // 2)
+        dims_lo = half_dims(offs_h, 0)
+        dims_hi = half_dims(offs_h, 1)
+        o_lo = acc / l_i[:, None]
+        o_hi = acc_hi / l_i[:, None]
+        if ROTATE:  # k8v4: V was stored rotated
+            o = hadamard_halves(o_lo, o_hi, dims_lo, dims_hi, BLOCK_D, ROT_SCALE, IEEE)
+            tl.store(o_rows + offs_d[None, :], o.to(dt), mask=mmask[:, None] & (offs_d < HEAD_DIM)[None, :])
+        else:
+            tl.store(o_rows + dims_lo[None, :], o_lo.to(dt), mask=mmask[:, None] & (dims_lo < HEAD_DIM)[None, :])
+            tl.store(o_rows + dims_hi[None, :], o_hi.to(dt), mask=mmask[:, None] & (dims_hi < HEAD_DIM)[None, :])
+    else:
+        o = acc / l_i[:, None]
+        tl.store(o_rows + offs_d[None, :], o.to(dt), mask=mmask[:, None] & (offs_d < HEAD_DIM)[None, :])
 
 
 @dataclass(frozen=True)
@@ -121,6 +150,8 @@ def prefill_attention(
     blocks = batch.blk_seq.shape[0]
     if blocks == 0:
         return
+    if rotate_v and v.kind != Q4_0:
+        raise ValueError("prompt attention rotates the output of a Q4_0 V only (k8v4)")
     hq, d = q.shape[1], q.shape[2]
     hkv = k.data.shape[1]
     _prefill_kernel[(blocks, hq)](
