@@ -9,18 +9,18 @@ Quantized tiles are made for the dot products, not for their reader:
 - int8 tiles are the codes themselves (exact in bf16, fp16 and fp32) plus a
   float32 scale per row, which the kernel applies to whole rows of scores
   (K) or probabilities (V) instead of to every element;
-- the prompt kernel's Q4_0 K tiles (`load_tile`) are [N, D] in natural order,
-  each byte loaded twice: its large dots do not compile from tiles whose
-  nibbles sit side by side (Triton 3.6, sm_90). Values are `(code - 8) * d`
-  in float32, rounded once to the compute dtype, as `strata.kv.quant` does;
-- both kernels read a Q4_0 V (and the decode kernel a Q4_0 K) as two half
-  tiles (`q4_halves`: the low nibbles, then the high ones, each [N, D/2] in
-  `half_dims` order), which need no join across threads and no
-  integer-to-float conversion, and load each byte and each block's d once.
-  The decode kernel's V tiles hold the codes alone and each block's d
-  scales the probabilities (`block_scales`, `select_blocks`), except in fp16
-  compute, where p x d could underflow and the tiles are scaled; the prompt
-  kernel's are scaled (`(code - 8) * d`, as above).
+- Q4_0 tiles are two half tiles (`q4_halves`: the low nibbles, then the
+  high ones, each [N, D/2] in `half_dims` order), which need no join across
+  threads (large dots do not compile from tiles whose nibbles sit side by
+  side: Triton 3.6, sm_90) and load each byte and each block's d once; K's
+  scores are two dots from q's matching halves. Scaled tiles hold
+  `(code - 8) * d` in float32, rounded once to the compute dtype, as
+  `strata.kv.quant` does. The decode kernel's V tiles hold the codes alone
+  and each block's d scales the probabilities (`block_scales`,
+  `select_blocks`), except in fp16 compute, where p x d could underflow and
+  the tiles are scaled; the prompt kernel's are scaled;
+- no code becomes a float through an integer-to-float conversion (a slow
+  pipe): it is or'ed into the mantissa of 2**23 (`int8_floats`, `q4_floats`).
 """
 
 from __future__ import annotations
@@ -56,43 +56,30 @@ def q4_floats(code):
 def load_tile(data, aux, cells, head, mask_n, s_cell, s_head, a_cell, a_head,
               KIND: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
               OUT: tl.constexpr, SCALED: tl.constexpr):
-    """(tile [N, BLOCK_D] in `OUT`, row scale [N] float32) of one KV head at `cells`.
+    """(tile [N, BLOCK_D] in `OUT`, row scale [N] float32) of one KV head at `cells`, PLAIN
+    or INT8 (Q4_0 comes as half tiles, `q4_halves`).
 
     The tile's value at (n, c) times the row scale of n is the cell's value at
-    head dimension c. PLAIN and Q4_0 return scale 1; INT8
-    returns its codes and scales, or with SCALED their products rounded to
-    `OUT` (the reference's values) and scale 1. `aux` holds int8's scales or,
-    for Q4_0, the same bytes viewed as float16 (so a block's d is one aligned
-    2-byte load: blocks are 18 bytes, an even size). Masked rows and columns
+    head dimension c. PLAIN returns scale 1; INT8 returns its codes and
+    scales, or with SCALED their products rounded to `OUT` (the reference's
+    values) and scale 1. `aux` holds int8's scales. Masked rows and columns
     come back as zeros.
     """
     offs_d = tl.arange(0, BLOCK_D)
+    mask = mask_n[:, None] & (offs_d < HEAD_DIM)[None, :]
+    ptr = data + cells[:, None] * s_cell + head * s_head + offs_d[None, :]
     if KIND == 0:
-        mask = mask_n[:, None] & (offs_d < HEAD_DIM)[None, :]
-        x = tl.load(data + cells[:, None] * s_cell + head * s_head + offs_d[None, :],
-                    mask=mask, other=0.0).to(OUT)
+        x = tl.load(ptr, mask=mask, other=0.0).to(OUT)
         scale = tl.full(mask_n.shape, 1.0, tl.float32)
-    elif KIND == 1:
-        mask = mask_n[:, None] & (offs_d < HEAD_DIM)[None, :]
-        codes = tl.load(data + cells[:, None] * s_cell + head * s_head + offs_d[None, :],
-                        mask=mask, other=0)
+    else:
+        tl.static_assert(KIND == 1, "load_tile reads PLAIN and INT8 cells")
+        codes = tl.load(ptr, mask=mask, other=0)
         scale = tl.load(aux + cells * a_cell + head * a_head, mask=mask_n, other=0.0)
         if SCALED:
             x = (int8_floats(codes) * scale[:, None]).to(OUT)
             scale = tl.full(mask_n.shape, 1.0, tl.float32)
         else:
             x = int8_floats(codes).to(OUT)
-    else:
-        mask = mask_n[:, None] & (offs_d < HEAD_DIM)[None, :]
-        blk = offs_d // 32
-        within = offs_d % 32
-        row = cells[:, None] * s_cell + head * ((HEAD_DIM // 32) * 18)
-        byte = tl.load(data + row + (blk * 18 + 2 + within % 16)[None, :], mask=mask, other=0)
-        code = (byte.to(tl.int32) >> ((within // 16) * 4)[None, :]) & 0xF
-        d = tl.load(aux + cells[:, None] * a_cell + head * ((HEAD_DIM // 32) * 9) + (blk * 9)[None, :],
-                    mask=mask, other=0.0)
-        x = (q4_floats(code) * d.to(tl.float32)).to(OUT)
-        scale = tl.full(mask_n.shape, 1.0, tl.float32)
     return x, scale
 
 

@@ -20,6 +20,7 @@ from strata.kernels.triton.cells import (
     cells_of,
     hadamard_halves,
     half_dims,
+    half_scores,
     load_tile,
     q4_halves,
     scores,
@@ -41,10 +42,11 @@ def _prefill_kernel(
     BLOCK_D: tl.constexpr, CHUNK: tl.constexpr, K_KIND: tl.constexpr, V_KIND: tl.constexpr,
     IEEE: tl.constexpr, FOLD_V: tl.constexpr, ROTATE: tl.constexpr, ROT_SCALE: tl.constexpr,
 ):
-    # A Q4_0 V (q4_0, k8v4) comes as low and high half tiles (`q4_halves`, scaled): each byte
-    # and each block's d loaded once, where a natural-order tile loads every byte twice and d
-    # once an element; the output is two halves, in `half_dims` order (k8v4 folds that order
-    # into its rotation's rows).
+    # Q4_0 K and V (q4_0; k8v4's V) come as low and high half tiles (`q4_halves`, scaled):
+    # each byte and each block's d loaded once. K's scores are two dots, from q's matching
+    # halves; V's output is two halves in `half_dims` order (k8v4 folds that order into its
+    # rotation's rows).
+    K_HALF: tl.constexpr = K_KIND == 2
     V_HALF: tl.constexpr = V_KIND == 2
     blk = tl.program_id(0)
     head = tl.program_id(1)
@@ -62,8 +64,15 @@ def _prefill_kernel(
     mmask = offs_m < n
     qpos = start + offs_m
     rows = row0 + offs_m
-    qt = tl.load(q + rows[:, None] * sq_t + head * sq_h + offs_d[None, :],
-                 mask=mmask[:, None] & (offs_d < HEAD_DIM)[None, :], other=0.0)
+    offs_h = tl.arange(0, BLOCK_D // 2)
+    dims_lo = half_dims(offs_h, 0)
+    dims_hi = half_dims(offs_h, 1)
+    q_rows = q + rows[:, None] * sq_t + head * sq_h
+    if K_HALF:
+        q_lo = tl.load(q_rows + dims_lo[None, :], mask=mmask[:, None] & (dims_lo < HEAD_DIM)[None, :], other=0.0)
+        q_hi = tl.load(q_rows + dims_hi[None, :], mask=mmask[:, None] & (dims_hi < HEAD_DIM)[None, :], other=0.0)
+    else:
+        qt = tl.load(q_rows + offs_d[None, :], mask=mmask[:, None] & (offs_d < HEAD_DIM)[None, :], other=0.0)
     cdt = q.dtype.element_ty
     table_row = tables + session * t_stride
     hi = tl.minimum(start + m0 + BLOCK_M, start + n)  # keys past the block's last query: none
@@ -80,9 +89,14 @@ def _prefill_kernel(
         kpos = kstart + offs_n
         nmask = kpos < hi
         cells = cells_of(table_row, kpos, nmask, CHUNK)
-        k, k_scale = load_tile(k_data, k_aux, cells, kvh, nmask, k_sc, k_sh, k_ac, k_ah,
-                               K_KIND, HEAD_DIM, BLOCK_D, cdt, False)
-        sc = scores(qt, k, k_scale, qk_scale, K_KIND, IEEE)
+        if K_HALF:
+            k_lo, k_hi = q4_halves(k_data, k_aux, cells, kvh, nmask, k_sc, k_sh, k_ac, k_ah,
+                                   HEAD_DIM, BLOCK_D, cdt, True, False, False)
+            sc = half_scores(q_lo, q_hi, k_lo, k_hi, qk_scale, IEEE)
+        else:
+            k, k_scale = load_tile(k_data, k_aux, cells, kvh, nmask, k_sc, k_sh, k_ac, k_ah,
+                                   K_KIND, HEAD_DIM, BLOCK_D, cdt, False)
+            sc = scores(qt, k, k_scale, qk_scale, K_KIND, IEEE)
         sc = tl.where(nmask[None, :] & (kpos[None, :] <= qpos[:, None]), sc, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(sc, 1))  # key 0 is in every row's first block: finite
         alpha = tl.exp2(m_i - m_new)
@@ -101,9 +115,6 @@ def _prefill_kernel(
     o_rows = out + rows[:, None] * so_t + head * so_h
     dt = out.dtype.element_ty
     if V_HALF:
-        offs_h = tl.arange(0, BLOCK_D // 2)
-        dims_lo = half_dims(offs_h, 0)
-        dims_hi = half_dims(offs_h, 1)
         o_lo = acc / l_i[:, None]
         o_hi = acc_hi / l_i[:, None]
         if ROTATE:  # k8v4: V was stored rotated
