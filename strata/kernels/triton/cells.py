@@ -172,6 +172,38 @@ def half_scores(q_lo, q_hi, k_lo, k_hi, qk_scale, IEEE: tl.constexpr):
 
 
 @triton.jit
+def load_queries(q_rows, mask_r, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, HALVES: tl.constexpr):
+    """(q_a, q_b) of query rows at `q_rows` [R, 1] (pointers to each row's head): the low and
+    high half tiles in `half_dims` order (HALVES: for a Q4_0 K), else the whole rows, twice."""
+    if HALVES:
+        offs_h = tl.arange(0, BLOCK_D // 2)
+        dims_lo = half_dims(offs_h, 0)
+        dims_hi = half_dims(offs_h, 1)
+        q_lo = tl.load(q_rows + dims_lo[None, :], mask=mask_r[:, None] & (dims_lo < HEAD_DIM)[None, :], other=0.0)
+        q_hi = tl.load(q_rows + dims_hi[None, :], mask=mask_r[:, None] & (dims_hi < HEAD_DIM)[None, :], other=0.0)
+        return q_lo, q_hi
+    else:
+        offs_d = tl.arange(0, BLOCK_D)
+        qt = tl.load(q_rows + offs_d[None, :], mask=mask_r[:, None] & (offs_d < HEAD_DIM)[None, :], other=0.0)
+        return qt, qt
+
+
+@triton.jit
+def key_scores(q_a, q_b, data, aux, cells, head, mask_n, s_cell, s_head, a_cell, a_head,
+               KIND: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, OUT: tl.constexpr,
+               qk_scale, IEEE: tl.constexpr):
+    """Scaled scores (log2 units) of the queries (`load_queries`'s pair) against one K tile."""
+    if KIND == 2:
+        k_lo, k_hi = q4_halves(data, aux, cells, head, mask_n, s_cell, s_head, a_cell, a_head,
+                               HEAD_DIM, BLOCK_D, OUT, True, False, False)
+        return half_scores(q_a, q_b, k_lo, k_hi, qk_scale, IEEE)
+    else:
+        k, k_scale = load_tile(data, aux, cells, head, mask_n, s_cell, s_head, a_cell, a_head,
+                               KIND, HEAD_DIM, BLOCK_D, OUT, False)
+        return scores(q_a, k, k_scale, qk_scale, KIND, IEEE)
+
+
+@triton.jit
 def select_blocks(o, BLOCK_G: tl.constexpr, NB: tl.constexpr):
     """[BLOCK_G, W] from a half-tile accumulator [NB * BLOCK_G, W] whose row b * BLOCK_G + g
     weighed block b's scales: column c of query head g is row (c // 16) * BLOCK_G + g."""

@@ -34,10 +34,10 @@ from strata.kernels.triton.cells import (
     cells_of,
     hadamard_halves,
     half_dims,
-    half_scores,
+    key_scores,
+    load_queries,
     load_tile,
     q4_halves,
-    scores,
     select_blocks,
 )
 from strata.kernels.triton.half import INT8, Q4_0, Half
@@ -122,14 +122,7 @@ def _decode_kernel(
     dims_lo = half_dims(offs_h, 0)
     dims_hi = half_dims(offs_h, 1)
     q_base = q + row * sq_t + rheads[:, None] * sq_h
-    if K_HALF:
-        q_lo = tl.load(q_base + dims_lo[None, :],
-                       mask=rmask[:, None] & (dims_lo < HEAD_DIM)[None, :], other=0.0)
-        q_hi = tl.load(q_base + dims_hi[None, :],
-                       mask=rmask[:, None] & (dims_hi < HEAD_DIM)[None, :], other=0.0)
-    else:
-        qt = tl.load(q_base + offs_d[None, :],
-                     mask=rmask[:, None] & (offs_d < HEAD_DIM)[None, :], other=0.0)
+    q_a, q_b = load_queries(q_base, rmask, HEAD_DIM, BLOCK_D, K_HALF)
     table_row = tables + session * t_stride
     cdt = q.dtype.element_ty
 
@@ -157,14 +150,8 @@ def _decode_kernel(
             if EXPAND:
                 v_d = block_scales(v_aux, cells, kvh, nmask, v_ac, v_ah, BLOCK_G, BLOCK_R,
                                    HEAD_DIM)
-        if K_HALF:
-            k_lo, k_hi = q4_halves(k_data, k_aux, cells, kvh, nmask, k_sc, k_sh, k_ac, k_ah,
-                                   HEAD_DIM, BLOCK_D, cdt, True, False, False)
-            s = half_scores(q_lo, q_hi, k_lo, k_hi, qk_scale, IEEE)
-        else:
-            k, k_scale = load_tile(k_data, k_aux, cells, kvh, nmask, k_sc, k_sh, k_ac, k_ah,
-                                   K_KIND, HEAD_DIM, BLOCK_D, cdt, False)
-            s = scores(qt, k, k_scale, qk_scale, K_KIND, IEEE)
+        s = key_scores(q_a, q_b, k_data, k_aux, cells, kvh, nmask, k_sc, k_sh, k_ac, k_ah,
+                       K_KIND, HEAD_DIM, BLOCK_D, cdt, qk_scale, IEEE)
         s = tl.where(nmask[None, :], s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 1))
         alpha = tl.exp2(m_i - m_new)

@@ -20,10 +20,10 @@ from strata.kernels.triton.cells import (
     cells_of,
     hadamard_halves,
     half_dims,
-    half_scores,
+    key_scores,
+    load_queries,
     load_tile,
     q4_halves,
-    scores,
 )
 from strata.kernels.triton.decode import LOG2E
 from strata.kernels.triton.half import Q4_0, Half
@@ -64,15 +64,7 @@ def _prefill_kernel(
     mmask = offs_m < n
     qpos = start + offs_m
     rows = row0 + offs_m
-    offs_h = tl.arange(0, BLOCK_D // 2)
-    dims_lo = half_dims(offs_h, 0)
-    dims_hi = half_dims(offs_h, 1)
-    q_rows = q + rows[:, None] * sq_t + head * sq_h
-    if K_HALF:
-        q_lo = tl.load(q_rows + dims_lo[None, :], mask=mmask[:, None] & (dims_lo < HEAD_DIM)[None, :], other=0.0)
-        q_hi = tl.load(q_rows + dims_hi[None, :], mask=mmask[:, None] & (dims_hi < HEAD_DIM)[None, :], other=0.0)
-    else:
-        qt = tl.load(q_rows + offs_d[None, :], mask=mmask[:, None] & (offs_d < HEAD_DIM)[None, :], other=0.0)
+    q_a, q_b = load_queries(q + rows[:, None] * sq_t + head * sq_h, mmask, HEAD_DIM, BLOCK_D, K_HALF)
     cdt = q.dtype.element_ty
     table_row = tables + session * t_stride
     hi = tl.minimum(start + m0 + BLOCK_M, start + n)  # keys past the block's last query: none
@@ -89,14 +81,8 @@ def _prefill_kernel(
         kpos = kstart + offs_n
         nmask = kpos < hi
         cells = cells_of(table_row, kpos, nmask, CHUNK)
-        if K_HALF:
-            k_lo, k_hi = q4_halves(k_data, k_aux, cells, kvh, nmask, k_sc, k_sh, k_ac, k_ah,
-                                   HEAD_DIM, BLOCK_D, cdt, True, False, False)
-            sc = half_scores(q_lo, q_hi, k_lo, k_hi, qk_scale, IEEE)
-        else:
-            k, k_scale = load_tile(k_data, k_aux, cells, kvh, nmask, k_sc, k_sh, k_ac, k_ah,
-                                   K_KIND, HEAD_DIM, BLOCK_D, cdt, False)
-            sc = scores(qt, k, k_scale, qk_scale, K_KIND, IEEE)
+        sc = key_scores(q_a, q_b, k_data, k_aux, cells, kvh, nmask, k_sc, k_sh, k_ac, k_ah,
+                        K_KIND, HEAD_DIM, BLOCK_D, cdt, qk_scale, IEEE)
         sc = tl.where(nmask[None, :] & (kpos[None, :] <= qpos[:, None]), sc, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(sc, 1))  # key 0 is in every row's first block: finite
         alpha = tl.exp2(m_i - m_new)
@@ -115,6 +101,9 @@ def _prefill_kernel(
     o_rows = out + rows[:, None] * so_t + head * so_h
     dt = out.dtype.element_ty
     if V_HALF:
+        offs_h = tl.arange(0, BLOCK_D // 2)
+        dims_lo = half_dims(offs_h, 0)
+        dims_hi = half_dims(offs_h, 1)
         o_lo = acc / l_i[:, None]
         o_hi = acc_hi / l_i[:, None]
         if ROTATE:  # k8v4: V was stored rotated
