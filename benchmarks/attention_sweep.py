@@ -6,11 +6,32 @@ from __future__ import annotations
 import itertools
 import json
 import sys
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from strata.kv.step import SeqSpec
+
+if TYPE_CHECKING:
+    from strata.kv.formats import KvFormat
+    from strata.kv.pool import KvPool
+
+
+def random_pool(fmt_name: str, lanes: int, context: int, device: torch.device, kv_heads: int,
+                head_dim: int) -> tuple[KvFormat, KvPool]:
+    """(format, a one-layer pool of `lanes` lanes of `context` cells) with random cells: a timing
+    never reads zeros."""
+    from strata.kv.formats import make_format
+    from strata.kv.pool import KvPool
+
+    fmt = make_format(fmt_name, kv_heads, head_dim)
+    pool = KvPool(fmt, 1, lanes, context + 1, 4096, None, device)
+    for t in pool.layers[0].values():
+        if t.is_floating_point():
+            t.copy_(torch.rand_like(t))
+        else:
+            t.copy_(torch.randint_like(t, 0, 100))
+    return fmt, pool
 
 
 def attention_run(fmt_name: str, lanes: int, context: int, device: torch.device,
@@ -21,16 +42,8 @@ def attention_run(fmt_name: str, lanes: int, context: int, device: torch.device,
     replayed from a CUDA graph so that it is device time, not launch cost.
     """
     from strata.attention.triton_pool import GpuTableAttention
-    from strata.kv.formats import make_format
-    from strata.kv.pool import KvPool
 
-    fmt = make_format(fmt_name, kv_heads, head_dim)
-    pool = KvPool(fmt, 1, lanes, context + 1, 4096, None, device)
-    for t in pool.layers[0].values():  # random cells: never time zeros
-        if t.is_floating_point():
-            t.copy_(torch.rand_like(t))
-        else:
-            t.copy_(torch.randint_like(t, 0, 100))
+    fmt, pool = random_pool(fmt_name, lanes, context, device, kv_heads, head_dim)
     seqs = [SeqSpec(i, context - 1, 1) for i in range(lanes)]
     ctx = GpuTableAttention(pool, seqs, head_dim**-0.5)
     q = torch.randn(lanes, heads, head_dim, device=device, dtype=torch.bfloat16)

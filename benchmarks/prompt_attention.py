@@ -19,6 +19,7 @@ from typing import Any
 
 import torch
 
+from benchmarks.attention_sweep import random_pool
 from strata.kv.step import SeqSpec
 
 
@@ -26,16 +27,8 @@ def prompt_attention_run(fmt_name: str, context: int, piece: int, device: torch.
                          heads: int = 32, kv_heads: int = 8, head_dim: int = 128, reps: int = 10) -> dict[str, Any]:
     """The time of one layer's `attend` for the last `piece` tokens of a `context`-token prompt."""
     from strata.attention.triton_pool import GpuTableAttention
-    from strata.kv.formats import make_format
-    from strata.kv.pool import KvPool
 
-    fmt = make_format(fmt_name, kv_heads, head_dim)
-    pool = KvPool(fmt, 1, 1, context + 1, 4096, None, device)
-    for t in pool.layers[0].values():  # random cells: never time zeros
-        if t.is_floating_point():
-            t.copy_(torch.rand_like(t))
-        else:
-            t.copy_(torch.randint_like(t, 0, 100))
+    _, pool = random_pool(fmt_name, 1, context, device, kv_heads, head_dim)
     ctx = GpuTableAttention(pool, [SeqSpec(0, context - piece, piece, prompt=True)], head_dim**-0.5)
     q = torch.randn(piece, heads, head_dim, device=device, dtype=torch.bfloat16)
     kv = torch.randn(piece, kv_heads, head_dim, device=device, dtype=torch.bfloat16)

@@ -29,6 +29,7 @@ answer is held to the eager one within tolerance (tests/gpu/test_prompt_graphs.p
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
@@ -37,6 +38,9 @@ from strata.engine.graphs import capture, staging
 from strata.kv.pool import KvPool
 from strata.kv.state import PadRows, StatePool, prompt_states
 from strata.kv.step import SeqSpec, cells_at
+
+if TYPE_CHECKING:  # a type only: FLA's wrappers load with the capture
+    from strata.models.deltanet_fla import VarlenLayout
 
 SIZES = (8, 16, 32, 48, 64, 96, 128, 192, 256)  # padded rows of the captured prompt steps
 _IDS, _POS, _CELLS, _HEAD, _ONE = range(5)  # rows of the staging buffer; _ONE holds the scalars
@@ -52,7 +56,7 @@ class _Entry:
     copied: torch.cuda.Event | None  # after the last copy out of `host` (None: not CUDA)
     graph: torch.cuda.CUDAGraph | None = None
     logits: torch.Tensor | None = None  # [1, vocab] float32: the last token's
-    layout: object | None = None  # the capture's own varlen layout (`PadRows.layout`), kept with it
+    layout: VarlenLayout | None = None  # the capture's own varlen layout (`PadRows.layout`), kept with it
     kept: dict = field(default_factory=dict)  # layer -> name -> the graph's state before the last token
 
 
@@ -129,7 +133,7 @@ class PromptGraphs:
             self.states.cut_states = {seq.lane: {seq.n - 1: {
                 layer: {name: t.clone() for name, t in named.items()} for layer, named in kept.items()}}}
 
-    def _step(self, e: _Entry, layout: object | None, kept: dict) -> torch.Tensor:
+    def _step(self, e: _Entry, layout: VarlenLayout | None, kept: dict) -> torch.Tensor:
         """The padded step; the recurrent layers put their states before the last token in `kept`."""
         m, meta = self.model, e.meta
         one = meta[_ONE]
